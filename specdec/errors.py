@@ -1,0 +1,38 @@
+"""Exceptions raised by specdec.
+
+Every error a user can cause is a subclass of :class:`SpecdecError`; errors about bad arguments also
+subclass :class:`ValueError` so that ``except ValueError`` keeps working for callers who expect it.
+"""
+
+from __future__ import annotations
+
+
+class SpecdecError(Exception):
+    """Base class of every exception specdec raises on purpose."""
+
+
+class InvalidRequestError(SpecdecError, ValueError):
+    """A prompt or its parameters are invalid (empty prompt, too long, token id out of vocabulary...).
+
+    Raised before any work starts; requests already in the engine are not affected.
+    """
+
+
+class UnknownModelError(SpecdecError, ValueError):
+    """A model name is neither a zoo name nor a directory holding an HF-format model."""
+
+
+class ModelFetchError(SpecdecError):
+    """A zoo model's package could not be downloaded (no network, package missing, pip failed)."""
+
+
+class ChecksumError(SpecdecError):
+    """A downloaded weight file does not have the expected sha256; nothing was written to the cache."""
+
+
+class CorruptModelError(SpecdecError):
+    """A model directory's weight or config files are missing, truncated or unreadable."""
+
+
+class KVCacheExhaustedError(SpecdecError):
+    """A single request needs more KV blocks than the whole pool holds, so preemption cannot help."""
