@@ -1,0 +1,85 @@
+"""Draw one token per row from processed logits, with per-request generators.
+
+Every random draw in specdec uses the same method, the *exponential race*: with ``E_i ~ Exp(1)``
+independent, ``argmax_i target_probs_i / E_i`` is distributed as ``target_probs`` (it is the Gumbel-max
+trick with ``-log E_i`` as Gumbel noise). A request with a ``seed`` draws its ``E`` from its own
+``torch.Generator``, so its tokens do not depend on its neighbours in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def exponential_noise(
+    shape: tuple[int, int],
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """``[rows, vocab]`` Exp(1) samples; row ``i`` drawn from ``generators[i]`` when it is not None.
+
+    Seeded rows draw from their own generator one row at a time; all other rows draw together from
+    ``default_generator``.
+    """
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        return noise.exponential_(generator=default_generator)
+    if unseeded:
+        rows = torch.tensor(unseeded, device=device)
+        noise[rows] = torch.empty(len(unseeded), shape[1], device=device).exponential_(
+            generator=default_generator
+        )
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
+
+
+def sample_from_probs(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row of ``probs`` ``[rows, vocab]`` (rows sum to 1) by the exponential race.
+
+    Returns:
+        ``[rows]`` int64 token ids. A token with probability 0 is never drawn.
+    """
+    noise = exponential_noise((probs.shape[0], probs.shape[1]), generators, default_generator, probs.device)
+    # Exp(1) can return 0.0 in float32; keep 0 / noise finite so a zero-probability token never wins.
+    return probs.div(noise.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    greedy: Sequence[bool],
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Greedy or temperature sampling per row.
+
+    Args:
+        logits: ``[rows, vocab]`` float32.
+        temperatures: per row, used where ``greedy`` is False.
+        greedy: per row, take the argmax.
+        generators: per row, the request's generator or None.
+        default_generator: for unseeded random rows.
+
+    Returns:
+        ``[rows]`` int64 token ids.
+    """
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, g in enumerate(greedy) if not g]
+    if not random_rows:
+        return tokens
+    rows = torch.tensor(random_rows, device=logits.device)
+    temps = torch.tensor([temperatures[i] for i in random_rows], device=logits.device, dtype=torch.float32)
+    probs = torch.softmax(logits[rows] / temps[:, None], dim=-1)
+    drawn = sample_from_probs(probs, [generators[i] for i in random_rows], default_generator)
+    tokens[rows] = drawn
+    return tokens

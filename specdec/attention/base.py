@@ -1,0 +1,75 @@
+"""Attention metadata for a flattened variable-length batch, and the attention backend Protocol.
+
+One forward mixes prefill chunks, decode tokens and (later) draft verification segments: the new tokens
+of every scheduled request are concatenated into one ``[num_tokens]`` axis. Request ``b`` owns rows
+``query_start_loc[b]:query_start_loc[b + 1]``; after this forward its sequence holds ``seq_lens[b]``
+tokens of KV, the last ``query_len = seq_lens[b] - context_len`` of which are the new ones.
+
+The K/V of token ``t`` is written into the paged cache at ``slot_mapping[t]`` (block id × block size +
+offset in block); slot mapping is the only interface between the model and the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flattened batch metadata. Shapes use B = scheduled requests, T = new tokens in the batch.
+
+    Attributes:
+        query_start_loc: ``[B + 1]`` int64, cumulative query lengths (0, len_0, len_0 + len_1, ...).
+        seq_lens: ``[B]`` int64, tokens of KV each request has after this forward (context + new).
+        slot_mapping: ``[T]`` int64, cache slot of each new token's K/V; -1 means do not write.
+        block_table: ``[B, max_blocks]`` int64, the KV blocks of each request in order (padded with 0).
+        query_lens: host copy of the query lengths, ``B`` ints.
+        seq_lens_host: host copy of ``seq_lens``, ``B`` ints.
+        new_token_masks: per request, ``None`` (causal among its new tokens) or a ``[query_len,
+            query_len]`` bool tensor: ``mask[i, j]`` is True when new token ``i`` may attend to new token
+            ``j`` (a token tree's attention mask). Every new token always sees the whole context.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    query_lens: list[int]
+    seq_lens_host: list[int]
+    new_token_masks: list[torch.Tensor | None] | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over a flattened batch. Implementations: ``ReferenceAttention`` (pure torch, the
+    ground truth and CPU path); Triton kernels register here for CUDA."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write the new K/V into the cache, then attend.
+
+        Args:
+            query: ``[T, num_heads, head_dim]``, RoPE applied.
+            key, value: ``[T, num_kv_heads, head_dim]``, RoPE applied to ``key``.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, updated in place.
+            metadata: the flattened batch.
+            scale: softmax scale, usually ``head_dim ** -0.5``.
+
+        Returns:
+            ``[T, num_heads, head_dim]`` attention output.
+        """
+        ...

@@ -1,0 +1,142 @@
+"""KV cache manager: block tables, slot reservation, prefix-cache lookups and rollback.
+
+The scheduler talks to the cache only through this class; the model sees only the resulting block
+tables and slot mappings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specdec.kv_cache.block_pool import ROOT_HASH, BlockPool, hash_block_tokens
+from specdec.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns the block pool and every request's block table.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block (>= 1).
+        enable_prefix_caching: reuse full blocks of earlier requests with the same prefix.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """Chained hashes of the request's first ``num_full_blocks`` blocks (computed once, then kept)."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block_tokens(parent, request.token_ids[i * bs : (i + 1) * bs]))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Longest run of cached blocks matching the request's leading tokens (no references taken).
+
+        At least one token is always left to compute, so the hit covers at most
+        ``(num_tokens - 1) // block_size`` blocks and the forward has a row to sample from.
+        """
+        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in self._block_hashes(request, max_blocks):
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        new_computed_blocks: Sequence[int] = (),
+    ) -> bool:
+        """Make the block table cover the KV this step writes, or change nothing and return False.
+
+        The table must cover ``num_computed_tokens`` (+ the prefix hit ``new_computed_blocks``, which
+        becomes computed) + ``num_new_tokens`` + ``num_lookahead_tokens`` (slots reserved for draft
+        tokens, see the speculative decoding drafters).
+
+        Returns:
+            False when the free blocks do not suffice (the scheduler then preempts).
+        """
+        bs = self.block_size
+        num_hit_tokens = len(new_computed_blocks) * bs
+        total = request.num_computed_tokens + num_hit_tokens + num_new_tokens + num_lookahead_tokens
+        num_needed = cdiv(total, bs) - len(request.block_ids) - len(new_computed_blocks)
+        num_revived = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_count == 0)
+        if num_needed + num_revived > self.pool.num_free_blocks:
+            return False
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            request.block_ids.extend(new_computed_blocks)
+            request.num_computed_tokens += num_hit_tokens
+            request.num_cached_blocks = len(request.block_ids)
+            request.stats.num_cached_prompt_tokens = num_hit_tokens
+        if num_needed > 0:
+            request.block_ids.extend(self.pool.allocate(num_needed))
+        return True
+
+    def slot(self, request: Request, position: int) -> int:
+        """Cache slot of the token at ``position`` of the request's sequence."""
+        return request.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full blocks of committed tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(request.num_cached_blocks, num_full):
+            self.pool.cache_block(request.block_ids[i], hashes[i])
+        request.num_cached_blocks = num_full
+
+    def rollback(self, request: Request, num_slots: int) -> None:
+        """Forget the KV of the request's last ``num_slots`` computed tokens (rejected drafts) and free
+        the blocks no longer needed. Cached (hashed) blocks are never rolled back into."""
+        if num_slots < 0 or num_slots > request.num_computed_tokens:
+            raise ValueError(f"cannot roll back {num_slots} of {request.num_computed_tokens} slots")
+        request.num_computed_tokens -= num_slots
+        if request.num_computed_tokens < request.num_cached_blocks * self.block_size:
+            raise RuntimeError("rollback into a prefix-cached block")
+        self.trim(request, request.num_computed_tokens)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks beyond those needed for ``num_tokens`` tokens (lookahead release)."""
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(request.block_ids):
+            extra = request.block_ids[keep:]
+            del request.block_ids[keep:]
+            self.pool.free(extra[::-1])
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (finish, abort or preemption)."""
+        self.pool.free(request.block_ids[::-1])
+        request.block_ids = []
+        request.num_cached_blocks = 0
+        request.num_computed_tokens = 0

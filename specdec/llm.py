@@ -1,0 +1,201 @@
+"""``LLM``: the offline Python API (mirrors vLLM's ``LLM`` where it fits)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sampling.params import SamplingParams
+from specdec.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from specdec.engine import LLMEngine
+from specdec.errors import InvalidRequestError
+from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.request import Request
+
+Prompt = str | dict[str, Any]
+
+
+class LLM:
+    """A model on the paged-KV engine, ready to generate.
+
+    Args:
+        model: a zoo name (see ``specdec.zoo.ZOO``) or a local HF-format directory.
+        dtype: "float32" or "bfloat16" (weights, activations and KV cache).
+        device: None picks CUDA when available, else the CPU.
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks in the pool; None sizes it from ``max_num_seqs`` and ``max_model_len``
+            within ``kv_cache_memory_bytes``.
+        enable_prefix_caching: reuse the KV of equal prompt prefixes.
+        max_model_len: longest prompt + output; None: the model's maximum.
+        max_num_batched_tokens: token budget per forward (longer prompts are prefilled in chunks).
+        max_num_seqs: most requests running at once.
+        skip_tokenizer_init: do not load the tokenizer; prompts must be token ids and ``text`` is "".
+        seed: seed for unseeded sampled requests.
+        speculative_config: reserved for speculative decoding.
+
+    Raises:
+        UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.
+        ValueError: invalid configuration values.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        skip_tokenizer_init: bool = False,
+        seed: int = 0,
+        speculative_config: Any = None,
+        kv_cache_memory_bytes: int = 2 * 1024**3,
+    ) -> None:
+        from specdec.zoo import resolve_model
+
+        if speculative_config is not None:
+            raise NotImplementedError("speculative decoding is not available yet")
+        torch_dtype = resolve_dtype(dtype)
+        cache_config = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes)
+        scheduler_config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
+        self.model_dir = resolve_model(model)
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), trust_remote_code=False)
+        self.engine = LLMEngine(
+            self.model_dir, torch_dtype, resolve_device(device), cache_config, scheduler_config, seed
+        )
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = set(self.engine.model_cfg.eos_token_ids) | {self.tokenizer.eos_token_id}
+            object.__setattr__(self.engine.model_cfg, "eos_token_ids", tuple(sorted(eos)))
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ inputs
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise InvalidRequestError("a dict prompt needs the key 'prompt_token_ids'")
+            return None, list(prompt["prompt_token_ids"])
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt)}")
+        if self.tokenizer is None:
+            raise InvalidRequestError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}")
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def _add_all(
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[tuple[str | None, Request]]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one per prompt"
+                )
+        # Validate everything first so that a bad prompt adds nothing.
+        tokenized = [self._tokenize(p) for p in prompts]
+        for (_, ids), sp in zip(tokenized, params):
+            self.engine.validate(ids, sp)
+        return [
+            (text, self.engine.add_request(str(next(self._ids)), ids, sp))
+            for (text, ids), sp in zip(tokenized, params)
+        ]
+
+    # ----------------------------------------------------------------- outputs
+    def _output(self, prompt: str | None, req: Request, delta: bool = False) -> RequestOutput:
+        ids = req.output_token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        new = ids[req.num_streamed_tokens :] if delta else []
+        if delta:
+            req.num_streamed_tokens = len(ids)
+        s = req.stats
+        end = s.finished_time
+        metrics: dict[str, Any] = {
+            "num_prompt_tokens": req.num_prompt_tokens,
+            "num_generated_tokens": len(ids),
+            "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
+            "num_preemptions": s.num_preemptions,
+            "time_to_first_token_s": None if s.first_token_time is None else s.first_token_time - s.arrival_time,
+            "latency_s": None if end is None else end - s.arrival_time,
+            "tokens_per_s": None if end is None else len(ids) / max(end - s.arrival_time, 1e-9),
+        }
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, list(ids), text, req.finish_reason, new)],
+            finished=req.status.finished,
+            metrics=metrics,
+        )
+
+    # --------------------------------------------------------------------- API
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt with continuous batching; outputs come in prompt order.
+
+        Args:
+            prompts: a string, ``{"prompt_token_ids": [...]}``, or a list of them.
+            sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
+
+        Raises:
+            InvalidRequestError: a bad prompt or parameter (nothing is generated).
+            KVCacheExhaustedError: one request cannot fit the KV pool even alone.
+        """
+        added = self._add_all(prompts, sampling_params)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return [self._output(text, req) for text, req in added]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Like :meth:`generate`, but yields after every engine step, once per request that got new
+        tokens; ``outputs[0].new_token_ids`` holds the tokens added since its previous chunk."""
+        added = self._add_all(prompts, sampling_params)
+        texts = {req.request_id: text for text, req in added}
+        while self.engine.has_unfinished_requests():
+            for req in self.engine.step():
+                if req.request_id in texts:
+                    yield self._output(texts[req.request_id], req, delta=True)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
+
+        Raises:
+            InvalidRequestError: no tokenizer, or it has no chat template.
+        """
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("chat() needs a tokenizer with a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params)

@@ -1,0 +1,138 @@
+"""Our decoder for the Llama family (SmolLM2, Llama 2/3) and the Qwen2 family (Qwen2, Qwen2.5).
+
+Pre-norm transformer: RMSNorm, rotary position embeddings (RoPE, Su et al. 2021) from the config,
+grouped-query attention (Ainslie et al. 2023) through a paged KV cache, SwiGLU MLP (Shazeer 2020), tied
+or untied LM head. Qwen2 differs from Llama only in its q/k/v biases. q/k/v and gate/up are fused into
+one matrix each, so a layer is four matrix products.
+
+The forward takes a flattened variable-length batch (see :mod:`specdec.attention.base`) and returns
+logits only at the rows asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.attention.base import AttentionBackend, AttentionMetadata
+from specdec.models.config import ModelArchConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        x = self.input_layernorm(hidden)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        attn = attention.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
+        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
+        x = self.post_attention_layernorm(hidden)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLM(nn.Module):
+    """A causal decoder LM over a paged KV cache.
+
+    Args:
+        cfg: the architecture (see :class:`ModelArchConfig`).
+    """
+
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, head_dim]`` for ``positions`` ``[T]``, as transformers computes them."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = self.cfg.rope_attention_scaling
+        cos, sin = emb.cos() * scale, emb.sin() * scale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the flattened batch through the model.
+
+        Args:
+            input_ids: ``[T]`` token ids.
+            positions: ``[T]`` position of each token in its sequence (explicit, so token trees work).
+            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
+                head_dim]``; written at ``metadata.slot_mapping``.
+            metadata: the flattened batch.
+            attention: the attention backend.
+            logits_indices: ``[R]`` rows whose logits are wanted; None for all rows.
+
+        Returns:
+            ``(logits, hidden)``: ``logits`` ``[R, vocab_size]`` float32, and ``hidden`` ``[R,
+            hidden_size]`` the final-norm hidden states at the same rows (for learned drafters).
+        """
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, hidden.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, k_cache, v_cache, metadata, attention)
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
+        hidden = self.norm(hidden)
+        return self.lm_head(hidden).float(), hidden

@@ -1,0 +1,121 @@
+"""Load an HF-format directory (config.json + safetensors) into :class:`DecoderLM`.
+
+Safetensors only: weights are never unpickled. Checkpoint names follow transformers' Llama/Qwen2
+layout (``model.layers.N.self_attn.q_proj.weight``...); q/k/v and gate/up are concatenated into our
+fused matrices.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from specdec.errors import CorruptModelError
+from specdec.models.config import ModelArchConfig
+from specdec.models.decoder import DecoderLM
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CorruptModelError(f"{index} is not a valid safetensors index: {e}") from e
+        return sorted({model_dir / f for f in weight_map.values()})
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CorruptModelError(
+            f"no *.safetensors weights in {model_dir} (only safetensors are loaded, never pickles)"
+        )
+    return files
+
+
+def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the directory's safetensors files, by checkpoint name.
+
+    Raises:
+        CorruptModelError: a file is missing, truncated or not valid safetensors.
+    """
+    model_dir = Path(model_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(model_dir):
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CorruptModelError(f"cannot read weights {f}: {e} (file truncated or corrupt?)") from e
+    return tensors
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> DecoderLM:
+    """Build our decoder for ``model_dir`` and load its weights.
+
+    Raises:
+        CorruptModelError: missing, unexpected or misshapen tensors, or unreadable files.
+        UnknownModelError: unsupported architecture.
+    """
+    cfg = ModelArchConfig.from_pretrained(model_dir)
+    state = read_state_dict(model_dir)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    ours = _to_our_names(state, cfg, str(model_dir))
+    try:
+        model.load_state_dict(ours, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CorruptModelError(f"{model_dir}: weights do not fit the config: {e}") from e
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _to_our_names(state: dict[str, torch.Tensor], cfg: ModelArchConfig, where: str) -> dict[str, torch.Tensor]:
+    """Map transformers' checkpoint names onto our fused module layout."""
+    state = dict(state)
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return state.pop(name).float()
+        except KeyError:
+            raise CorruptModelError(f"{where}: weight {name!r} is missing from the checkpoint") from None
+
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight")}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        o = f"layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        out[o + "qkv_proj.weight"] = torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.qkv_bias:
+            out[o + "qkv_proj.bias"] = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+        out[o + "o_proj.weight"] = take(attn + "o_proj.weight")
+        if cfg.o_bias:
+            out[o + "o_proj.bias"] = take(attn + "o_proj.bias")
+        out[o + "gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        out[o + "down_proj.weight"] = take(mlp + "down_proj.weight")
+        if cfg.mlp_bias:
+            out[o + "gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+            out[o + "down_proj.bias"] = take(mlp + "down_proj.bias")
+        out[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        out[o + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    out["norm.weight"] = take("model.norm.weight")
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    # Rotary buffers some checkpoints carry are recomputed from the config.
+    leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise CorruptModelError(f"{where}: unexpected tensors in the checkpoint: {leftover[:5]}")
+    expected = {
+        "embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+        "lm_head.weight": (cfg.vocab_size, cfg.hidden_size),
+    }
+    for name, shape in expected.items():
+        if tuple(out[name].shape) != shape:
+            raise CorruptModelError(f"{where}: {name} has shape {tuple(out[name].shape)}, expected {shape}")
+    return out
