@@ -1,0 +1,179 @@
+"""Greedy parity: the engine under continuous batching equals transformers' greedy ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sampling.params import SamplingParams
+from specdec import LLM
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def _tiny_prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, vocab, (9,), generator=g).tolist()  # a shared "system prompt"
+    return [shared + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        dict(block_size=16, enable_prefix_caching=False),
+        dict(block_size=4, enable_prefix_caching=True, max_num_batched_tokens=7),  # chunked prefill
+        dict(block_size=4, enable_prefix_caching=True, num_kv_blocks=18, max_num_batched_tokens=16),  # preemption
+        dict(block_size=3, enable_prefix_caching=True, max_num_seqs=2),  # queueing
+    ],
+    ids=["plain", "chunked-prefix", "preemption", "max-seqs"],
+)
+def test_tiny_greedy_parity(tiny_model_dirs, engine_kwargs):
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_model_dirs["qwen2-gqa2-untied"]
+    hf_model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    prompts = _tiny_prompts(128, [1, 4, 11, 20, 30])
+    max_tokens = [24, 9, 24, 17, 24]
+    refs = [hf_greedy(hf_model, p, m, eos=None) for p, m in zip(prompts, max_tokens)]
+    llm = LLM(d, skip_tokenizer_init=True, **engine_kwargs)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for out, ref in zip(outs, refs):
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].finish_reason == "length"
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == llm.engine.num_kv_blocks  # every block free at the end
+    if "num_kv_blocks" in engine_kwargs:
+        assert llm.engine.scheduler.num_preemptions > 0
+    if engine_kwargs.get("enable_prefix_caching") and "max_num_seqs" in engine_kwargs:
+        # Later requests reuse the shared prefix's first full blocks.
+        assert sum(o.metrics["num_cached_prompt_tokens"] for o in outs) > 0
+
+
+def test_requests_added_while_running(tiny_model_dirs):
+    """A request added between steps joins the running batch and still equals its solo output."""
+    d = tiny_model_dirs["llama-gqa3-tied"]
+    llm = LLM(d, skip_tokenizer_init=True, block_size=4)
+    prompts = _tiny_prompts(128, [3, 8, 15])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    solo = [llm.generate({"prompt_token_ids": p}, sp)[0].outputs[0].token_ids for p in prompts]
+    eng = llm.engine
+    reqs = [eng.add_request("a", prompts[0], sp)]
+    for _ in range(3):
+        eng.step()
+    reqs.append(eng.add_request("b", prompts[1], sp))
+    eng.step()
+    reqs.append(eng.add_request("c", prompts[2], sp))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert [r.output_token_ids for r in reqs] == solo
+
+
+def test_eos_and_stop_tokens(tiny_model_dirs):
+    d = tiny_model_dirs["llama-mha-untied"]
+    llm = LLM(d, skip_tokenizer_init=True)
+    prompt = {"prompt_token_ids": _tiny_prompts(128, [5])[0]}
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    stop_at = full.token_ids[6]
+    first = full.token_ids.index(stop_at)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]))[0]
+    assert out.outputs[0].token_ids == full.token_ids[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_stream_chunks_concatenate_to_output(tiny_model_dirs):
+    d = tiny_model_dirs["llama-mha-untied"]
+    llm = LLM(d, skip_tokenizer_init=True)
+    prompts = [{"prompt_token_ids": p} for p in _tiny_prompts(128, [2, 13])]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    got: dict[str, list[int]] = {}
+    finished = set()
+    for chunk in llm.stream(prompts, sp):
+        got.setdefault(chunk.request_id, []).extend(chunk.outputs[0].new_token_ids)
+        if chunk.finished:
+            finished.add(chunk.request_id)
+    assert list(got.values()) == expected
+    assert len(finished) == 2
+
+
+def test_seeded_sampling_independent_of_batch(tiny_model_dirs):
+    d = tiny_model_dirs["qwen2-mqa-tied"]
+    llm = LLM(d, skip_tokenizer_init=True, seed=123)
+    prompts = [{"prompt_token_ids": p} for p in _tiny_prompts(128, [4, 9, 2])]
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=15, ignore_eos=True)
+    alone = llm.generate(prompts[0], seeded)[0].outputs[0].token_ids
+    mixed = llm.generate(
+        prompts,
+        [seeded, SamplingParams(temperature=0.8, max_tokens=15), SamplingParams(temperature=0, max_tokens=15)],
+    )
+    assert mixed[0].outputs[0].token_ids == alone
+    other_seed = llm.generate(prompts[0], SamplingParams(temperature=1.0, seed=43, max_tokens=15, ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+SMOL_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paper clip.",
+    "Translate 'good morning, how are you?' into French and Spanish, then explain the grammar of each "
+    "translation in detail for a beginner who has never studied either language.",
+]
+SYSTEM = "You are a concise, helpful assistant. Answer accurately and do not invent facts."
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm2_dir):
+    """Chat prompts sharing a system prompt, and transformers' greedy continuations (64 tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = []
+    for q in SMOL_QUESTIONS:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    refs = [hf_greedy(hf_model, p, 64, eos=tok.eos_token_id) for p in prompts]
+    return prompts, refs
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        dict(enable_prefix_caching=False),
+        dict(enable_prefix_caching=True),
+        dict(enable_prefix_caching=True, num_kv_blocks=16, max_num_batched_tokens=64),
+    ],
+    ids=["batch", "prefix-caching", "preemption"],
+)
+def test_smollm2_greedy_parity(smollm2_dir, smol_reference, engine_kwargs):
+    prompts, refs = smol_reference
+    assert len({len(p) for p in prompts}) == len(prompts)  # different lengths
+    llm = LLM(smollm2_dir, dtype="float32", **engine_kwargs)
+    if engine_kwargs["enable_prefix_caching"]:
+        # Warm the prefix cache with the shortest prompt; the batch then shares its system prompt.
+        warm = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=64))
+        assert warm[0].outputs[0].token_ids == refs[0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=64))
+    for out, ref in zip(outs, refs):
+        assert out.outputs[0].token_ids == ref
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    if engine_kwargs.get("num_kv_blocks"):
+        assert llm.engine.scheduler.num_preemptions > 0
+    elif engine_kwargs["enable_prefix_caching"]:
+        # The shared system prompt is served from the prefix cache for every request of the batch.
+        assert all(o.metrics["num_cached_prompt_tokens"] >= 16 for o in outs)
