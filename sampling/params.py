@@ -39,6 +39,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (again: the dataclass is mutable, so the engine re-checks on submission).
+
+        Raises:
+            InvalidRequestError: naming the first invalid field and its allowed range.
+        """
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise InvalidRequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from pathlib import Path
 
@@ -75,6 +76,7 @@ class LLMEngine:
         """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # fields may have been changed since construction
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -84,14 +86,19 @@ class LLMEngine:
                 "it must leave room for at least one generated token"
             )
         vocab = self.model_cfg.vocab_size
-        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [
+            t
+            for t in prompt_token_ids
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
+        ]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         total = min(n + params.max_tokens, self.max_model_len)
-        need = cdiv(total, self.kv.block_size)
+        # The last generated token ends the request before its KV is ever written.
+        need = cdiv(total - 1, self.kv.block_size)
         if need > self.num_kv_blocks:
             raise KVCacheExhaustedError(
-                f"this request can need {need} KV blocks ({total} tokens) but the pool has only "
+                f"this request can need {need} KV blocks ({total - 1} tokens) but the pool has only "
                 f"{self.num_kv_blocks}; raise num_kv_blocks or lower max_tokens"
             )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,12 @@ class LLM:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise InvalidRequestError("a dict prompt needs the key 'prompt_token_ids'")
-            return None, list(prompt["prompt_token_ids"])
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):
+                raise InvalidRequestError(
+                    f"'prompt_token_ids' must be a list of ints, got {type(ids).__name__}"
+                )
+            return None, list(ids)
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt)}")
         if self.tokenizer is None:
@@ -96,11 +101,20 @@ class LLM:
     ) -> list[tuple[str | None, Request]]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise InvalidRequestError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (str, bytes, dict)) or not isinstance(sampling_params, Iterable):
+            raise InvalidRequestError(
+                "sampling_params must be a SamplingParams or a list of them, "
+                f"got {type(sampling_params).__name__}"
+            )
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

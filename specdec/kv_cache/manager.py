@@ -121,9 +121,9 @@ class KVCacheManager:
         the blocks no longer needed. Cached (hashed) blocks are never rolled back into."""
         if num_slots < 0 or num_slots > request.num_computed_tokens:
             raise ValueError(f"cannot roll back {num_slots} of {request.num_computed_tokens} slots")
-        request.num_computed_tokens -= num_slots
-        if request.num_computed_tokens < request.num_cached_blocks * self.block_size:
+        if request.num_computed_tokens - num_slots < request.num_cached_blocks * self.block_size:
             raise RuntimeError("rollback into a prefix-cached block")
+        request.num_computed_tokens -= num_slots
         self.trim(request, request.num_computed_tokens)
 
     def trim(self, request: Request, num_tokens: int) -> None:
