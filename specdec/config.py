@@ -9,6 +9,15 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int >= ``minimum`` (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = f"an integer >= {minimum}" + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache.
@@ -27,12 +36,11 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes < 1:
-            raise ValueError("kv_cache_memory_bytes must be positive")
+        _check_int("block_size", self.block_size, 1)
+        _check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
+        _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
 
 @dataclass
@@ -50,12 +58,9 @@ class SchedulerConfig:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_model_len", self.max_model_len, 2, optional=True)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

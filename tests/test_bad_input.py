@@ -271,19 +271,13 @@ def test_model_path_without_a_model(tmp_path):
         (dict(dtype="int8"), r"dtype must be one of \['float32', 'bfloat16', 'float16'\], got 'int8'"),
         (dict(dtype="float64"), r"dtype must be one of .*, got 'float64'"),
         (dict(dtype=torch.int32), r"dtype must be one of .*, got torch\.int32"),
-        (dict(block_size=0), r"block_size must be >= 1, got 0"),
-        (dict(block_size=-4), r"block_size must be >= 1, got -4"),
-        pytest.param(
-            dict(block_size=2.5),
-            r"block_size",
-            marks=pytest.mark.xfail(
-                raises=TypeError, strict=True, reason="CacheConfig does not type-check block_size"
-            ),
-        ),
-        (dict(num_kv_blocks=0), r"num_kv_blocks must be >= 1 or None, got 0"),
-        (dict(max_model_len=1), r"max_model_len must be >= 2, got 1"),
-        (dict(max_num_seqs=0), r"max_num_seqs must be >= 1, got 0"),
-        (dict(max_num_batched_tokens=0), r"max_num_batched_tokens must be >= 1, got 0"),
+        (dict(block_size=0), r"block_size must be an integer >= 1, got 0"),
+        (dict(block_size=-4), r"block_size must be an integer >= 1, got -4"),
+        (dict(block_size=2.5), r"block_size must be an integer >= 1, got 2\.5"),
+        (dict(num_kv_blocks=0), r"num_kv_blocks must be an integer >= 1 or None, got 0"),
+        (dict(max_model_len=1), r"max_model_len must be an integer >= 2 or None, got 1"),
+        (dict(max_num_seqs=0), r"max_num_seqs must be an integer >= 1, got 0"),
+        (dict(max_num_batched_tokens=0), r"max_num_batched_tokens must be an integer >= 1, got 0"),
     ],
     ids=[
         "dtype-int8",

@@ -144,7 +144,7 @@ def test_smollm2_logits_parity(smollm2_dir):
 
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     ours = load_model(smollm2_dir, dtype=torch.float32)
-    prompts = _prompts(ours.cfg.vocab_size, [5, 37], seed=3)
+    prompts = _prompts(ours.cfg.vocab_size, [5, 45], seed=3)
     refs = [hf_logits(hf_model, p) for p in prompts]
     run = PagedRun(ours, 16, num_blocks=16)
     ids = [run.add_seq() for _ in prompts]
@@ -153,3 +153,11 @@ def test_smollm2_logits_parity(smollm2_dir):
     rest = run.forward({s: p[13:] for s, p in zip(ids, prompts) if len(p) > 13})
     assert (first[0] - refs[0]).abs().max().item() <= TOL
     assert (torch.cat([first[1], rest[0]]) - refs[1]).abs().max().item() <= TOL
+    # Decode through the paged cache, both sequences in one batch; the second crosses a block boundary (48).
+    for step, (a, b) in enumerate([(11, 12), (13, 14), (15, 16), (17, 18)]):
+        outs = run.forward({ids[0]: [a], ids[1]: [b]})
+        prompts[0].append(a)
+        prompts[1].append(b)
+        for out, p in zip(outs, prompts):
+            ref = hf_logits(hf_model, p)[-1]
+            assert (out[-1] - ref).abs().max().item() <= TOL, step

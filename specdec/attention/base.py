@@ -11,7 +11,7 @@ offset in block); slot mapping is the only interface between the model and the c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -40,6 +40,8 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens_host: list[int]
     new_token_masks: list[torch.Tensor | None] | None = None
+    #: Backend-private values derived from the fields above, computed once per forward (not per layer).
+    backend_cache: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

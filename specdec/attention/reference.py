@@ -2,10 +2,13 @@
 
 This is the CPU path and the ground truth that the Triton kernels are tested against. Requests with a
 short query (decode, draft verification: ``query_len <= BATCHED_QUERY_MAX``) are padded into one batched
-SDPA call; prefill chunks run one SDPA call each, without padding waste.
+SDPA call; prefill chunks run one SDPA call each, without padding waste. Index tensors and masks depend
+only on the batch, so they are built once per forward and reused by every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +45,78 @@ def _new_token_mask(query_len: int, custom: torch.Tensor | None, device: torch.d
     return custom.to(device=device, dtype=torch.bool)
 
 
+@dataclass
+class _Prefill:
+    """One long-query request: rows ``start:start+query_len``; ``mask`` None means plain causal."""
+
+    start: int
+    query_len: int
+    seq_len: int
+    blocks: torch.Tensor | None  # [num_blocks] or None when there is no context (keys are the new tokens)
+    mask: torch.Tensor | None  # [query_len, seq_len] bool
+
+
+@dataclass
+class _Batched:
+    """Short-query requests padded into one SDPA call of ``m`` rows of ``max_q`` queries."""
+
+    rows: torch.Tensor  # [n] flattened rows of these requests
+    req_of_row: torch.Tensor  # [n] index into the m padded requests
+    pos_in_req: torch.Tensor  # [n] query index inside the request
+    blocks: torch.Tensor  # [m, num_blocks]
+    max_q: int
+    max_seq: int
+    mask: torch.Tensor | None  # [m, 1, max_q, max_seq] bool, None for a single unpadded decode row
+
+
+@dataclass
+class _Plan:
+    prefills: list[_Prefill]
+    batched: _Batched | None
+
+
+def _plan(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    masks = metadata.new_token_masks
+    prefills: list[_Prefill] = []
+    short: list[tuple[int, int, int, int]] = []  # (b, start, q_len, seq_len)
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens_host)):
+        custom = None if masks is None else masks[b]
+        if q_len <= BATCHED_QUERY_MAX:
+            short.append((b, start, q_len, seq_len))
+        else:
+            context_len = seq_len - q_len
+            blocks = None
+            if context_len > 0:
+                blocks = metadata.block_table[b, : -(-seq_len // block_size)]
+            mask = None
+            if context_len > 0 or custom is not None:
+                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
+                mask[:, context_len:] = _new_token_mask(q_len, custom, device)
+            prefills.append(_Prefill(start, q_len, seq_len, blocks, mask))
+        start += q_len
+    if not short:
+        return _Plan(prefills, None)
+    m = len(short)
+    max_q = max(s[2] for s in short)
+    max_seq = max(s[3] for s in short)
+    idx = torch.tensor([s[0] for s in short], device=device)
+    blocks = metadata.block_table[idx, : -(-max_seq // block_size)]
+    rows = torch.cat([torch.arange(st, st + ql) for _, st, ql, _ in short]).to(device)
+    req_of_row = torch.cat([torch.full((ql,), i) for i, (_, _, ql, _) in enumerate(short)]).to(device)
+    pos_in_req = torch.cat([torch.arange(ql) for _, _, ql, _ in short]).to(device)
+    mask: torch.Tensor | None = None
+    if not (m == 1 and max_q == 1):
+        # mask[i, 0, r, j]: query r of request i may see key j.
+        mask = torch.zeros(m, 1, max_q, max_seq, dtype=torch.bool, device=device)
+        for i, (b, _, ql, sl) in enumerate(short):
+            ctx = sl - ql
+            mask[i, 0, :ql, :ctx] = True
+            mask[i, 0, :ql, ctx:sl] = _new_token_mask(ql, None if masks is None else masks[b], device)
+            mask[i, 0, ql:, 0] = True  # padding rows attend to something; their output is discarded
+    return _Plan(prefills, _Batched(rows, req_of_row, pos_in_req, blocks, max_q, max_seq, mask))
+
+
 class ReferenceAttention:
     """Pure-torch :class:`~specdec.attention.base.AttentionBackend`."""
 
@@ -56,95 +131,33 @@ class ReferenceAttention:
         scale: float,
     ) -> torch.Tensor:
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        plan = metadata.backend_cache.get("reference")
+        if plan is None:
+            plan = metadata.backend_cache["reference"] = _plan(metadata, k_cache.shape[1], query.device)
         out = torch.empty_like(query)
-        num_heads, num_kv_heads = query.shape[1], key.shape[1]
-        gqa = num_heads != num_kv_heads
-        block_size = k_cache.shape[1]
-        masks = metadata.new_token_masks
-        short: list[int] = []
-        start = 0
-        starts = []
-        for b, q_len in enumerate(metadata.query_lens):
-            starts.append(start)
-            start += q_len
-            if q_len <= BATCHED_QUERY_MAX:
-                short.append(b)
-                continue
-            # One prefill chunk: keys are the request's first seq_len slots.
-            seq_len = metadata.seq_lens_host[b]
-            context_len = seq_len - q_len
-            custom = None if masks is None else masks[b]
-            q = query[starts[b] : starts[b] + q_len].transpose(0, 1)  # [H, q, D]
-            if context_len == 0:
-                k = key[starts[b] : starts[b] + q_len]
-                v = value[starts[b] : starts[b] + q_len]
+        gqa = query.shape[1] != key.shape[1]
+        for p in plan.prefills:
+            rows = slice(p.start, p.start + p.query_len)
+            q = query[rows].transpose(0, 1)  # [H, q, D]
+            if p.blocks is None:
+                k, v = key[rows], value[rows]
             else:
-                num_blocks = -(-seq_len // block_size)
-                blocks = metadata.block_table[b, :num_blocks]
-                k = k_cache[blocks].flatten(0, 1)[:seq_len]
-                v = v_cache[blocks].flatten(0, 1)[:seq_len]
+                k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+                v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len]
             k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
-            if context_len == 0 and custom is None:
+            if p.mask is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
-                mask[:, context_len:] = _new_token_mask(q_len, custom, q.device)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-            out[starts[b] : starts[b] + q_len] = o.transpose(0, 1)
-        if short:
-            self._batched(query, k_cache, v_cache, metadata, scale, short, starts, out, gqa)
-        return out
-
-    @staticmethod
-    def _batched(
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        reqs: list[int],
-        starts: list[int],
-        out: torch.Tensor,
-        gqa: bool,
-    ) -> None:
-        device = query.device
-        block_size = k_cache.shape[1]
-        q_lens = [metadata.query_lens[b] for b in reqs]
-        seq_lens = [metadata.seq_lens_host[b] for b in reqs]
-        max_q, max_seq = max(q_lens), max(seq_lens)
-        num_blocks = -(-max_seq // block_size)
-        idx = torch.tensor(reqs, device=device)
-        blocks = metadata.block_table[idx, :num_blocks]  # [m, nb]
-        k = k_cache[blocks].flatten(1, 2)[:, :max_seq]  # [m, L, KVH, D]
-        v = v_cache[blocks].flatten(1, 2)[:, :max_seq]
-        m = len(reqs)
-        if m == 1 and max_q == 1:
-            # Single-token decode of one request: no mask, no padding.
-            q = query[starts[reqs[0]] : starts[reqs[0]] + 1].unsqueeze(0).transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
+            out[rows] = o.transpose(0, 1)
+        bt = plan.batched
+        if bt is not None:
+            k = k_cache[bt.blocks].flatten(1, 2)[:, : bt.max_seq].transpose(1, 2)  # [m, KVH, L, D]
+            v = v_cache[bt.blocks].flatten(1, 2)[:, : bt.max_seq].transpose(1, 2)
+            q = query.new_zeros(bt.blocks.shape[0], bt.max_q, query.shape[1], query.shape[2])
+            q[bt.req_of_row, bt.pos_in_req] = query[bt.rows]
             o = F.scaled_dot_product_attention(
-                q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), scale=scale, enable_gqa=gqa
-            )
-            out[starts[reqs[0]]] = o[0, :, 0]
-            return
-        rows = torch.cat([torch.arange(starts[b], starts[b] + ql) for b, ql in zip(reqs, q_lens)]).to(device)
-        req_of_row = torch.cat([torch.full((ql,), i) for i, ql in enumerate(q_lens)]).to(device)
-        pos_in_req = torch.cat([torch.arange(ql) for ql in q_lens]).to(device)
-        q = query.new_zeros(m, max_q, query.shape[1], query.shape[2])
-        q[req_of_row, pos_in_req] = query[rows]
-        # mask[i, r, j]: query r of request i may see key j.
-        mask = torch.zeros(m, max_q, max_seq, dtype=torch.bool, device=device)
-        masks = metadata.new_token_masks
-        for i, (b, ql, sl) in enumerate(zip(reqs, q_lens, seq_lens)):
-            ctx = sl - ql
-            mask[i, :ql, :ctx] = True
-            mask[i, :ql, ctx:sl] = _new_token_mask(ql, None if masks is None else masks[b], device)
-            mask[i, ql:, 0] = True  # padding rows: attend to something, result discarded
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2).to(q.dtype),
-            v.transpose(1, 2).to(q.dtype),
-            attn_mask=mask.unsqueeze(1),
-            scale=scale,
-            enable_gqa=gqa,
-        )  # [m, H, max_q, D]
-        out[rows] = o.transpose(1, 2)[req_of_row, pos_in_req]
+                q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=bt.mask, scale=scale, enable_gqa=gqa
+            )  # [m, H, max_q, D]
+            out[bt.rows] = o.transpose(1, 2)[bt.req_of_row, bt.pos_in_req]
+        return out
