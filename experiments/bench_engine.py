@@ -41,12 +41,11 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        msgs = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    from specdec.llm import chat_token_ids
+
+    return [
+        chat_token_ids(tokenizer, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]) for i in range(n)
+    ]
 
 
 def bench_hf(hf_model, prompts: list[list[int]], max_tokens: int, pad_id: int) -> float:
@@ -59,8 +58,9 @@ def bench_hf(hf_model, prompts: list[list[int]], max_tokens: int, pad_id: int) -
         mask[i, width - len(p) :] = 1
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id)
     with torch.no_grad():
-        hf_model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4, do_sample=False,
-                          pad_token_id=pad_id)  # warm-up
+        hf_model.generate(
+            ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=pad_id
+        )  # warm-up
         t = time.perf_counter()
         out = hf_model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs)
         elapsed = time.perf_counter() - t
@@ -72,7 +72,9 @@ def bench_ours(llm, prompts: list[list[int]], max_tokens: int) -> float:
     from sampling.params import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    llm.generate(
+        [{"prompt_token_ids": prompts[0][:8]}], SamplingParams(temperature=0, max_tokens=4)
+    )  # warm-up
     llm.engine.kv.pool.reset_prefix_cache()
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
@@ -109,9 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     bandwidth = measure_read_bandwidth()
     floor_s = weight_bytes / bandwidth
     result: dict = {
-        "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
-        "threads": torch.get_num_threads(), "weight_bytes": weight_bytes,
-        "read_bandwidth_GBps": bandwidth / 1e9, "floor_step_ms": floor_s * 1e3,
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        "weight_bytes": weight_bytes,
+        "read_bandwidth_GBps": bandwidth / 1e9,
+        "floor_step_ms": floor_s * 1e3,
         "floor_tokens_per_s_batch1": 1 / floor_s,
     }
     for b in batch_sizes:
@@ -122,7 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_hf_batch and 16 in batch_sizes:
         result["hf_tokens_per_s_static_batch16"] = bench_hf(hf_model, prompts[:16], args.max_tokens, pad)
     result["speedup_batch1_vs_hf"] = result["ours_tokens_per_s_batch1"] / result["hf_tokens_per_s_batch1"]
-    result["fraction_of_floor_batch1"] = result["ours_tokens_per_s_batch1"] / result["floor_tokens_per_s_batch1"]
+    result["fraction_of_floor_batch1"] = (
+        result["ours_tokens_per_s_batch1"] / result["floor_tokens_per_s_batch1"]
+    )
     if "hf_tokens_per_s_static_batch16" in result:
         result["speedup_batch16_vs_hf_static"] = (
             result["ours_tokens_per_s_batch16"] / result["hf_tokens_per_s_static_batch16"]

@@ -31,8 +31,17 @@ def _generate(args: argparse.Namespace) -> int:
         c = out.outputs[0]
         num_tokens += len(c.token_ids)
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason, "metrics": out.metrics}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": c.text,
+                        "token_ids": c.token_ids,
+                        "finish_reason": c.finish_reason,
+                        "metrics": out.metrics,
+                    }
+                )
+            )
         else:
             print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]\n")
     print(f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)", file=sys.stderr)

@@ -75,7 +75,9 @@ class LLMEngine:
             KVCacheExhaustedError: the request alone needs more KV blocks than the pool has.
         """
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         params.validate()  # fields may have been changed since construction
         n = len(prompt_token_ids)
         if n == 0:

@@ -91,13 +91,17 @@ class LLM:
                 )
             return None, list(ids)
         if not isinstance(prompt, str):
-            raise InvalidRequestError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt)}")
+            raise InvalidRequestError(
+                f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt)}"
+            )
         if self.tokenizer is None:
             raise InvalidRequestError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}")
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def _add_all(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[tuple[str | None, Request]]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -133,7 +137,7 @@ class LLM:
     # ----------------------------------------------------------------- outputs
     def _output(self, prompt: str | None, req: Request, delta: bool = False) -> RequestOutput:
         ids = req.output_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        text = str(self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer is not None else ""
         new = ids[req.num_streamed_tokens :] if delta else []
         if delta:
             req.num_streamed_tokens = len(ids)
@@ -144,7 +148,9 @@ class LLM:
             "num_generated_tokens": len(ids),
             "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
             "num_preemptions": s.num_preemptions,
-            "time_to_first_token_s": None if s.first_token_time is None else s.first_token_time - s.arrival_time,
+            "time_to_first_token_s": None
+            if s.first_token_time is None
+            else s.first_token_time - s.arrival_time,
             "latency_s": None if end is None else end - s.arrival_time,
             "tokens_per_s": None if end is None else len(ids) / max(end - s.arrival_time, 1e-9),
         }
@@ -205,11 +211,21 @@ class LLM:
         """
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("chat() needs a tokenizer with a chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = []
-        for conv in conversations:
-            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        conversations: list[Any] = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [
+            {"prompt_token_ids": chat_token_ids(self.tokenizer, conv, add_generation_prompt)}
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params)
+
+
+def chat_token_ids(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of one conversation under the tokenizer's chat template (transformers 4 or 5)."""
+    ids: Any = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]

@@ -16,7 +16,9 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_hf_model(family: str, heads: int, kv_heads: int, tie: bool, vocab_size: int = 128, seed: int = 0):
+def make_tiny_hf_model(
+    family: str, heads: int, kv_heads: int, tie: bool, vocab_size: int = 128, seed: int = 0
+):
     """A randomly initialised transformers model of the given family (float32)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

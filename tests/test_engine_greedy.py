@@ -7,6 +7,7 @@ import torch
 
 from sampling.params import SamplingParams
 from specdec import LLM
+from specdec.llm import chat_token_ids
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
@@ -33,7 +34,9 @@ def _tiny_prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
     [
         dict(block_size=16, enable_prefix_caching=False),
         dict(block_size=4, enable_prefix_caching=True, max_num_batched_tokens=7),  # chunked prefill
-        dict(block_size=4, enable_prefix_caching=True, num_kv_blocks=18, max_num_batched_tokens=16),  # preemption
+        dict(
+            block_size=4, enable_prefix_caching=True, num_kv_blocks=18, max_num_batched_tokens=16
+        ),  # preemption
         dict(block_size=3, enable_prefix_caching=True, max_num_seqs=2),  # queueing
     ],
     ids=["plain", "chunked-prefix", "preemption", "max-seqs"],
@@ -116,10 +119,16 @@ def test_seeded_sampling_independent_of_batch(tiny_model_dirs):
     alone = llm.generate(prompts[0], seeded)[0].outputs[0].token_ids
     mixed = llm.generate(
         prompts,
-        [seeded, SamplingParams(temperature=0.8, max_tokens=15), SamplingParams(temperature=0, max_tokens=15)],
+        [
+            seeded,
+            SamplingParams(temperature=0.8, max_tokens=15),
+            SamplingParams(temperature=0, max_tokens=15),
+        ],
     )
     assert mixed[0].outputs[0].token_ids == alone
-    other_seed = llm.generate(prompts[0], SamplingParams(temperature=1.0, seed=43, max_tokens=15, ignore_eos=True))
+    other_seed = llm.generate(
+        prompts[0], SamplingParams(temperature=1.0, seed=43, max_tokens=15, ignore_eos=True)
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
@@ -143,8 +152,7 @@ def smol_reference(smollm2_dir):
     prompts = []
     for q in SMOL_QUESTIONS:
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        prompts.append(chat_token_ids(tok, msgs))
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     refs = [hf_greedy(hf_model, p, 64, eos=tok.eos_token_id) for p in prompts]
     return prompts, refs
@@ -168,7 +176,9 @@ def test_smollm2_greedy_parity(smollm2_dir, smol_reference, engine_kwargs):
         # Warm the prefix cache with the shortest prompt; the batch then shares its system prompt.
         warm = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=64))
         assert warm[0].outputs[0].token_ids == refs[0]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=64))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=64)
+    )
     for out, ref in zip(outs, refs):
         assert out.outputs[0].token_ids == ref
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks

@@ -43,7 +43,9 @@ class PagedRun:
                 self.tables[s].append(self.free.pop())
             ids += new
             pos += list(range(start, start + len(new)))
-            slots += [self.tables[s][p // self.bs] * self.bs + p % self.bs for p in range(start, start + len(new))]
+            slots += [
+                self.tables[s][p // self.bs] * self.bs + p % self.bs for p in range(start, start + len(new))
+            ]
             qlens.append(len(new))
             slens.append(start + len(new))
             self.lens[s] += len(new)
@@ -54,7 +56,9 @@ class PagedRun:
         qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
         meta = AttentionMetadata(qsl, torch.tensor(slens), torch.tensor(slots), table, qlens, slens)
         with torch.no_grad():
-            logits, _ = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta, ReferenceAttention())
+            logits, _ = self.model(
+                torch.tensor(ids), torch.tensor(pos), self.caches, meta, ReferenceAttention()
+            )
         return list(logits.split(qlens))
 
 
@@ -106,7 +110,7 @@ def _check_model(model_dir, hf_model, block_size: int) -> None:
 def test_tiny_models_logits_parity(tiny_model_dirs, block_size):
     from transformers import AutoModelForCausalLM
 
-    for name, d in tiny_model_dirs.items():
+    for d in tiny_model_dirs.values():
         hf_model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         _check_model(d, hf_model, block_size)
 
@@ -128,7 +132,9 @@ def test_tree_mask_equals_separate_sequences(tiny_model_dirs):
         run.tables[s].append(run.free.pop())
     slots = torch.tensor([run.tables[s][p // 4] * 4 + p % 4 for p in range(start, start + 3)])
     table = torch.tensor([run.tables[s]])
-    meta = AttentionMetadata(torch.tensor([0, 3]), torch.tensor([start + 3]), slots, table, [3], [start + 3], [mask])
+    meta = AttentionMetadata(
+        torch.tensor([0, 3]), torch.tensor([start + 3]), slots, table, [3], [start + 3], [mask]
+    )
     with torch.no_grad():
         tree_logits, _ = model(ids, pos, run.caches, meta, ReferenceAttention())
     for branch, row in (([a, b], 1), ([a, c], 2)):

@@ -105,16 +105,16 @@ def _plan(metadata: AttentionMetadata, block_size: int, device: torch.device) ->
     rows = torch.cat([torch.arange(st, st + ql) for _, st, ql, _ in short]).to(device)
     req_of_row = torch.cat([torch.full((ql,), i) for i, (_, _, ql, _) in enumerate(short)]).to(device)
     pos_in_req = torch.cat([torch.arange(ql) for _, _, ql, _ in short]).to(device)
-    mask: torch.Tensor | None = None
+    batch_mask: torch.Tensor | None = None
     if not (m == 1 and max_q == 1):
         # mask[i, 0, r, j]: query r of request i may see key j.
-        mask = torch.zeros(m, 1, max_q, max_seq, dtype=torch.bool, device=device)
+        batch_mask = mask = torch.zeros(m, 1, max_q, max_seq, dtype=torch.bool, device=device)
         for i, (b, _, ql, sl) in enumerate(short):
             ctx = sl - ql
             mask[i, 0, :ql, :ctx] = True
             mask[i, 0, :ql, ctx:sl] = _new_token_mask(ql, None if masks is None else masks[b], device)
             mask[i, 0, ql:, 0] = True  # padding rows attend to something; their output is discarded
-    return _Plan(prefills, _Batched(rows, req_of_row, pos_in_req, blocks, max_q, max_seq, mask))
+    return _Plan(prefills, _Batched(rows, req_of_row, pos_in_req, blocks, max_q, max_seq, batch_mask))
 
 
 class ReferenceAttention:
@@ -157,7 +157,12 @@ class ReferenceAttention:
             q = query.new_zeros(bt.blocks.shape[0], bt.max_q, query.shape[1], query.shape[2])
             q[bt.req_of_row, bt.pos_in_req] = query[bt.rows]
             o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=bt.mask, scale=scale, enable_gqa=gqa
+                q.transpose(1, 2),
+                k.to(q.dtype),
+                v.to(q.dtype),
+                attn_mask=bt.mask,
+                scale=scale,
+                enable_gqa=gqa,
             )  # [m, H, max_q, D]
             out[bt.rows] = o.transpose(1, 2)[bt.req_of_row, bt.pos_in_req]
         return out

@@ -42,7 +42,7 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf_config(cls, hf_config) -> ModelArchConfig:  # noqa: ANN001 - transformers PretrainedConfig
+    def from_hf_config(cls, hf_config) -> ModelArchConfig:
         """Build from a transformers config.
 
         Raises:
@@ -53,7 +53,9 @@ class ModelArchConfig:
             raise UnknownModelError(
                 f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        head_dim = (
+            getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        )
         inv_freq, attention_scaling = _rope_inv_freq(hf_config, head_dim)
         eos = hf_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
@@ -96,7 +98,7 @@ class ModelArchConfig:
         return cls.from_hf_config(hf_config)
 
 
-def _rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:  # noqa: ANN001
+def _rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies, using transformers' RoPE initialisers for scaled variants."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"

@@ -85,6 +85,8 @@ class DecoderLM(nn.Module):
         cfg: the architecture (see :class:`ModelArchConfig`).
     """
 
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
         self.cfg = cfg

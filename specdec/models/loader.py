@@ -73,7 +73,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _to_our_names(state: dict[str, torch.Tensor], cfg: ModelArchConfig, where: str) -> dict[str, torch.Tensor]:
+def _to_our_names(
+    state: dict[str, torch.Tensor], cfg: ModelArchConfig, where: str
+) -> dict[str, torch.Tensor]:
     """Map transformers' checkpoint names onto our fused module layout."""
     state = dict(state)
 
@@ -94,10 +96,14 @@ def _to_our_names(state: dict[str, torch.Tensor], cfg: ModelArchConfig, where: s
         out[o + "o_proj.weight"] = take(attn + "o_proj.weight")
         if cfg.o_bias:
             out[o + "o_proj.bias"] = take(attn + "o_proj.bias")
-        out[o + "gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        out[o + "gate_up_proj.weight"] = torch.cat(
+            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
+        )
         out[o + "down_proj.weight"] = take(mlp + "down_proj.weight")
         if cfg.mlp_bias:
-            out[o + "gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+            out[o + "gate_up_proj.bias"] = torch.cat(
+                [take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")]
+            )
             out[o + "down_proj.bias"] = take(mlp + "down_proj.bias")
         out[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         out[o + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")

@@ -1,0 +1,1 @@
+"""Triton kernels beside pure-torch references, one op per file (see issue 7)."""
