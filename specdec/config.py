@@ -83,3 +83,62 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+#: Largest ``num_speculative_tokens`` accepted (beyond this, acceptance of the last positions is ~0).
+MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: which drafter proposes tokens and how many per step.
+
+    Attributes:
+        method: "ngram" (prompt lookup, Saxena 2023) or "draft_model" (a smaller model with the
+            target's tokenizer; Leviathan et al. 2023, Chen et al. 2023).
+        num_speculative_tokens: k, the most draft tokens verified per request per step (1..16).
+        prompt_lookup_max, prompt_lookup_min: n-gram sizes tried by "ngram", longest first.
+        model: the draft model for "draft_model": a zoo name or an HF-format directory.
+        draft_dtype: dtype of the draft model; None: the target's.
+
+    Raises:
+        ValueError: unknown method, k outside 1..16, bad n-gram sizes, missing draft model.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    draft_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs model=<zoo name or directory>")
+
+    @classmethod
+    def from_any(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """Accept a SpeculativeConfig, a dict of its fields, or None.
+
+        Raises:
+            ValueError: unknown keys or invalid values.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value)}")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**value)

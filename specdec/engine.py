@@ -11,10 +11,15 @@ from pathlib import Path
 import torch
 
 from sampling.params import SamplingParams
+from sampling.rejection_sampler import RejectionSampler, VerifyResult
 from sampling.sampler import sample
-from specdec.config import CacheConfig, SchedulerConfig
+from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
+from specdec.drafters.base import Drafter, DraftInput
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.ngram import NgramDrafter
 from specdec.errors import InvalidRequestError, KVCacheExhaustedError
 from specdec.kv_cache.manager import KVCacheManager, cdiv
+from specdec.metrics import SpecStats
 from specdec.model_runner import ModelRunner
 from specdec.models.decoder import DecoderLM
 from specdec.models.loader import load_model
@@ -33,6 +38,11 @@ class LLMEngine:
         device: where the model runs.
         cache_config, scheduler_config: see :mod:`specdec.config`.
         seed: seed of the generator used by unseeded sampled requests.
+        speculative_config: the drafter and k, or None for plain decoding.
+        draft_model_dir: the resolved draft model directory (``method="draft_model"``).
+
+    Raises:
+        InvalidRequestError: the draft model's vocabulary differs from the target's.
     """
 
     def __init__(
@@ -44,9 +54,22 @@ class LLMEngine:
         scheduler_config: SchedulerConfig,
         seed: int = 0,
         model: DecoderLM | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        draft_model_dir: str | Path | None = None,
     ) -> None:
         self.model = model if model is not None else load_model(model_dir, dtype=dtype, device=device)
         cfg = self.model.cfg
+        self.spec_config = speculative_config
+        draft_model = None
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            assert draft_model_dir is not None
+            draft_dtype = resolve_dtype(speculative_config.draft_dtype or dtype)
+            draft_model = load_model(draft_model_dir, dtype=draft_dtype, device=device)
+            if draft_model.cfg.vocab_size != cfg.vocab_size:
+                raise InvalidRequestError(
+                    f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) differs from the "
+                    f"target's ({cfg.vocab_size}); draft and target must share a tokenizer"
+                )
         self.model_cfg = cfg
         self.max_model_len = min(
             scheduler_config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
@@ -55,15 +78,34 @@ class LLMEngine:
         num_blocks = cache_config.num_kv_blocks
         if num_blocks is None:
             per_block = ModelRunner.kv_bytes_per_block(self.model, bs, dtype)
+            if draft_model is not None:
+                per_block += ModelRunner.kv_bytes_per_block(
+                    draft_model, bs, next(draft_model.parameters()).dtype
+                )
             wanted = scheduler_config.max_num_seqs * cdiv(self.max_model_len, bs)
             num_blocks = max(1, min(wanted, cache_config.kv_cache_memory_bytes // per_block))
         self.num_kv_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, bs, cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len)
+        self.num_speculative_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len, self.num_speculative_tokens)
         self.runner = ModelRunner(self.model, num_blocks, bs)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        self.drafter: Drafter | None = None
+        if speculative_config is not None:
+            if draft_model is not None:
+                self.drafter = DraftModelDrafter(draft_model, cfg.vocab_size, num_blocks, bs, self.generator)
+            else:
+                self.drafter = NgramDrafter(speculative_config)
+        self.rejection_sampler = RejectionSampler()
+        self.spec_stats: SpecStats | None = None
+        self.reset_spec_stats()
         self._arrivals = itertools.count()
         self.num_steps = 0
+
+    def reset_spec_stats(self) -> None:
+        """Zero the aggregate acceptance counters (None when speculation is off)."""
+        k = self.num_speculative_tokens
+        self.spec_stats = SpecStats(k) if k else None
 
     # ---------------------------------------------------------------- requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -96,8 +138,9 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         total = min(n + params.max_tokens, self.max_model_len)
-        # The last generated token ends the request before its KV is ever written.
-        need = cdiv(total - 1, self.kv.block_size)
+        # The last generated token ends the request before its KV is ever written; a verification
+        # step may also reserve slots for num_speculative_tokens drafts past the committed tokens.
+        need = cdiv(total - 1 + self.num_speculative_tokens, self.kv.block_size)
         if need > self.num_kv_blocks:
             raise KVCacheExhaustedError(
                 f"this request can need {need} KV blocks ({total - 1} tokens) but the pool has only "
@@ -116,6 +159,8 @@ class LLMEngine:
             next(self._arrivals),
             self.model_cfg.eos_token_ids,
         )
+        if self.num_speculative_tokens:
+            req.spec_stats = SpecStats(self.num_speculative_tokens)
         self.scheduler.add_request(req)
         return req
 
@@ -130,7 +175,7 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[Request]:
-        """Schedule, run one forward, sample and append tokens.
+        """Schedule; draft (when speculating); run one target forward; sample or verify; append tokens.
 
         Returns:
             The requests that received tokens this step (finished ones included).
@@ -141,35 +186,81 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
             return []
         self.num_steps += 1
+        if self.drafter is not None:
+            t0 = time.perf_counter()
+            batch = [DraftInput(s.request, s.num_new_tokens, s.num_draft_slots) for s in out.scheduled]
+            for s, proposal in zip(out.scheduled, self.drafter.propose(batch)):
+                s.draft_token_ids = proposal.token_ids[: s.num_draft_slots]
+                s.draft_probs = proposal.draft_probs
+            if self.spec_stats is not None:
+                self.spec_stats.draft_time_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
         inputs = self.runner.prepare(out.scheduled)
         logits = self.runner.execute(inputs)
-        return self._update(out, logits)
+        updated = self._update(out, logits)
+        if self.spec_stats is not None:
+            self.spec_stats.verify_time_s += time.perf_counter() - t0
+        return updated
 
     def _update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Request]:
+        """Turn the logits rows into tokens: a plain sample, or verification of the drafts."""
         sampling = [s for s in out.scheduled if s.sample]
-        tokens: list[int] = []
+        results = []
         if sampling:
             params = [s.request.sampling_params for s in sampling]
-            tokens = sample(
-                logits,
-                [p.temperature for p in params],
-                [p.greedy for p in params],
-                [s.request.generator for s in sampling],
-                self.generator,
-            ).tolist()
+            num_rows = [1 + len(s.draft_token_ids) for s in sampling]
+            if not any(s.draft_token_ids for s in sampling):
+                tokens = sample(
+                    logits,
+                    [p.temperature for p in params],
+                    [p.greedy for p in params],
+                    [s.request.generator for s in sampling],
+                    self.generator,
+                ).tolist()
+                results = [VerifyResult([t], 0) for t in tokens]
+            else:
+                temps = torch.tensor(
+                    [1.0 if p.greedy else p.temperature for p, n in zip(params, num_rows) for _ in range(n)],
+                    device=logits.device,
+                )
+                target_probs = torch.softmax(logits / temps[:, None], dim=-1)
+                results = self.rejection_sampler.verify(
+                    target_probs,
+                    [s.draft_token_ids for s in sampling],
+                    [s.draft_probs for s in sampling],
+                    [p.greedy for p in params],
+                    [s.request.generator for s in sampling],
+                    self.generator,
+                )
         now = time.perf_counter()
         updated: list[Request] = []
-        token_iter = iter(tokens)
+        result_iter = iter(results)
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(req)
+            num_drafts = len(s.draft_token_ids)
+            req.num_computed_tokens += s.num_new_tokens + num_drafts
             if not s.sample:
+                self.kv.cache_full_blocks(req)
                 continue
+            result = next(result_iter)
+            # Rejected drafts' KV is rolled back; unused draft slots are released.
+            self.kv.rollback(req, num_drafts - result.num_accepted)
+            if req.spec_stats is not None:
+                req.spec_stats.observe(num_drafts, result.num_accepted)
+            if self.spec_stats is not None:
+                self.spec_stats.observe(num_drafts, result.num_accepted)
             if req.stats.first_token_time is None:
                 req.stats.first_token_time = now
-            self.append_token(req, next(token_iter))
             updated.append(req)
+            finished = False
+            for token in result.token_ids:  # stop rules apply token by token inside the accepted run
+                if self.append_token(req, token):
+                    finished = True
+                    break
+            if not finished:
+                self.kv.cache_full_blocks(req)
+                if self.drafter is not None:
+                    self.drafter.on_verified(req, num_drafts, result.num_accepted)
         return updated
 
     def append_token(self, req: Request, token: int) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from sampling.params import SamplingParams
-from specdec.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_device, resolve_dtype
 from specdec.engine import LLMEngine
 from specdec.errors import InvalidRequestError
 from specdec.outputs import CompletionOutput, RequestOutput
@@ -35,7 +35,9 @@ class LLM:
         max_num_seqs: most requests running at once.
         skip_tokenizer_init: do not load the tokenizer; prompts must be token ids and ``text`` is "".
         seed: seed for unseeded sampled requests.
-        speculative_config: reserved for speculative decoding.
+        speculative_config: a :class:`~specdec.config.SpeculativeConfig` or a dict of its fields, e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "draft_model",
+            "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}``; None: no speculation.
 
     Raises:
         UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.
@@ -60,8 +62,7 @@ class LLM:
     ) -> None:
         from specdec.zoo import resolve_model
 
-        if speculative_config is not None:
-            raise NotImplementedError("speculative decoding is not available yet")
+        spec = SpeculativeConfig.from_any(speculative_config)
         torch_dtype = resolve_dtype(dtype)
         cache_config = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes)
         scheduler_config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
@@ -71,8 +72,16 @@ class LLM:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), trust_remote_code=False)
+        draft_dir = resolve_model(spec.model) if spec is not None and spec.model else None
         self.engine = LLMEngine(
-            self.model_dir, torch_dtype, resolve_device(device), cache_config, scheduler_config, seed
+            self.model_dir,
+            torch_dtype,
+            resolve_device(device),
+            cache_config,
+            scheduler_config,
+            seed,
+            speculative_config=spec,
+            draft_model_dir=draft_dir,
         )
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = set(self.engine.model_cfg.eos_token_ids) | {self.tokenizer.eos_token_id}
@@ -154,6 +163,10 @@ class LLM:
             "latency_s": None if end is None else end - s.arrival_time,
             "tokens_per_s": None if end is None else len(ids) / max(end - s.arrival_time, 1e-9),
         }
+        if req.spec_stats is not None:
+            metrics.update(req.spec_stats.as_dict())
+            for key in ("draft_time_s", "verify_time_s"):  # measured per step, not per request
+                metrics.pop(key)
         return RequestOutput(
             request_id=req.request_id,
             prompt=prompt,

@@ -30,6 +30,63 @@ class ModelInputs:
     logits_indices: torch.Tensor
 
 
+@dataclass
+class Segment:
+    """One request's new tokens in a flattened batch.
+
+    Attributes:
+        block_ids: the request's block table.
+        start: position of the first new token.
+        token_ids: the new tokens (their K/V is written at positions ``start...``).
+        num_logits: logits wanted for the last ``num_logits`` new tokens.
+    """
+
+    block_ids: list[int]
+    start: int
+    token_ids: list[int]
+    num_logits: int
+
+
+def build_inputs(segments: list[Segment], block_size: int, device: torch.device) -> ModelInputs:
+    """Flattened model inputs for ``segments``; slots come from each segment's block table."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    logits_rows: list[int] = []
+    for seg in segments:
+        n, start, table = len(seg.token_ids), seg.start, seg.block_ids
+        input_ids.extend(seg.token_ids)
+        positions.extend(range(start, start + n))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        logits_rows.extend(range(len(input_ids) - seg.num_logits, len(input_ids)))
+    max_blocks = max(len(seg.block_ids) for seg in segments)
+    block_table = torch.zeros(len(segments), max_blocks, dtype=torch.int64)
+    for i, seg in enumerate(segments):
+        block_table[i, : len(seg.block_ids)] = torch.tensor(seg.block_ids, dtype=torch.int64)
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_table=block_table.to(device),
+        query_lens=query_lens,
+        seq_lens_host=seq_lens,
+    )
+    return ModelInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        metadata=metadata,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+    )
+
+
 class ModelRunner:
     """Holds the model and its KV cache tensors; runs flattened batches.
 
@@ -69,51 +126,18 @@ class ModelRunner:
         elem = torch.tensor([], dtype=dtype).element_size()
         return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
-    def prepare(self, scheduled: list[ScheduledRequest], all_logits: bool = False) -> ModelInputs:
-        """Flatten the scheduled requests' new tokens; logits rows are the last row of each sampling
-        request (or every row when ``all_logits``)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
+    def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
+        """Flatten the scheduled requests: each contributes its committed new tokens followed by its
+        draft tokens. Logits rows: for a request that samples, its last committed token and every draft
+        (``1 + len(drafts)`` rows, the verification rows); none for a prefill chunk that does not."""
+        segments = []
         for s in scheduled:
-            req, n = s.request, s.num_new_tokens
+            req = s.request
             start = req.num_computed_tokens
-            input_ids.extend(req.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            table = req.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            if all_logits:
-                logits_rows.extend(range(len(input_ids) - n, len(input_ids)))
-            elif s.sample:
-                logits_rows.append(len(input_ids) - 1)
-        max_blocks = max(len(s.request.block_ids) for s in scheduled)
-        block_table = torch.zeros(len(scheduled), max_blocks, dtype=torch.int64)
-        for i, s in enumerate(scheduled):
-            block_table[i, : len(s.request.block_ids)] = torch.tensor(s.request.block_ids)
-        dev = self.device
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-        metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_table=block_table.to(dev),
-            query_lens=query_lens,
-            seq_lens_host=seq_lens,
-        )
-        return ModelInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            metadata=metadata,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-        )
+            tokens = req.token_ids[start : start + s.num_new_tokens] + list(s.draft_token_ids)
+            num_logits = 1 + len(s.draft_token_ids) if s.sample else 0
+            segments.append(Segment(req.block_ids, start, tokens, num_logits))
+        return build_inputs(segments, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor:

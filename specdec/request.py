@@ -5,10 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from sampling.params import SamplingParams
+from specdec.metrics import SpecStats
 
 
 class RequestStatus(enum.Enum):
@@ -79,6 +81,10 @@ class Request:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.stats = RequestStats()
         self.num_streamed_tokens = 0
+        #: Drafter-private state (n-gram index, draft-model KV progress); None after (re)admission.
+        self.drafter_state: Any = None
+        #: Acceptance counters when speculative decoding is on.
+        self.spec_stats: SpecStats | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from specdec.config import SchedulerConfig
 from specdec.kv_cache.manager import KVCacheManager
@@ -30,15 +32,24 @@ from specdec.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: ``num_new_tokens`` tokens starting at ``num_computed_tokens``.
+    """One request's share of a step.
 
-    ``sample`` is True when these tokens reach the end of the known sequence, so the last row's logits
-    give the next token.
+    Attributes:
+        request: the request.
+        num_new_tokens: committed tokens computed this step, from ``request.num_computed_tokens``.
+        sample: these tokens reach the end of the committed sequence, so the step emits tokens.
+        num_draft_slots: most draft tokens this request may verify this step (slots are reserved).
+        draft_token_ids: the drafts proposed for it this step (at most ``num_draft_slots``).
+        draft_probs: ``[len(draft_token_ids), vocab_size]`` distributions the drafts were drawn from, or
+            None for a deterministic drafter.
     """
 
     request: Request
     num_new_tokens: int
     sample: bool
+    num_draft_slots: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -54,8 +65,11 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, num_speculative_tokens: int = 0
+    ) -> None:
         self.config = config
+        self.num_speculative_tokens = num_speculative_tokens
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -69,6 +83,15 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _num_draft_slots(self, req: Request, budget: int) -> int:
+        """Drafts a decoding request may verify: k, limited by the token budget, ``max_tokens`` and
+        ``max_model_len`` (a step emits at most drafts + 1 tokens)."""
+        if not self.num_speculative_tokens or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        remaining = req.sampling_params.max_tokens - req.num_output_tokens
+        room = self.max_model_len - req.num_tokens
+        return max(0, min(self.num_speculative_tokens, budget - 1, remaining - 1, room - 1))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -85,15 +108,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            k = self._num_draft_slots(req, budget)
+            while not self.kv.allocate_slots(req, n + k):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
-                budget -= n
+                scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens, k))
+                budget -= n + k
                 i += 1
                 continue
             break  # the request itself was preempted: everything after it already was too
@@ -107,6 +131,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
+                req.drafter_state = None  # drafters rebuild their state from the committed tokens
                 if req.stats.first_scheduled_time is None:
                     req.stats.first_scheduled_time = time.perf_counter()
                 keys = [r.arrival_index for r in self.running]

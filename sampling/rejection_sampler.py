@@ -1,0 +1,159 @@
+"""Exact verification of draft tokens: speculative (rejection) sampling for chains of drafts.
+
+Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative Decoding", ICML 2023
+(Algorithm 1); Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling",
+2023 (Algorithm 2). Their theorem: whatever the drafter, every emitted token is distributed exactly as
+the target model's (processed) distribution given the tokens before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sampling.sampler import exponential_noise
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class VerifyResult:
+    """Outcome for one request: ``token_ids`` = the accepted drafts + one recovered or bonus token."""
+
+    token_ids: list[int]
+    num_accepted: int
+
+
+class RejectionSampler:
+    """Verifies each request's draft tokens against the target model and emits the tokens to keep.
+
+    Vocabulary (as in vLLM's ``rejection_sampler.py``):
+
+    - **draft tokens** ``d_1..d_m``: proposed by a drafter; ``draft_probs[j]`` is the distribution
+      ``d_{j+1}`` was drawn from (None for a deterministic drafter such as n-gram lookup: then
+      ``draft_probs`` is the one-hot of the draft token).
+    - **target_probs**: ``m + 1`` rows per request: row j is the target's processed distribution for
+      the position of draft ``j + 1``, and row m the one after the last draft.
+    - **accepted tokens**: draft ``d_j`` is accepted with probability
+      ``min(1, target_probs[j-1][d_j] / draft_probs[j-1][d_j])``, in order, until the first rejection.
+    - **recovered token**: at the first rejection (position j), a token drawn from the *residual*
+      ``normalise(max(0, target_probs[j] - draft_probs[j]))``; nothing after it is kept.
+    - **bonus token**: when all m drafts are accepted, a token drawn from ``target_probs[m]``.
+
+    Every step therefore emits between 1 and m + 1 tokens. Greedy requests take the greedy path: accept
+    drafts while they equal the target's argmax, then emit the argmax (recovered or bonus), which
+    reproduces greedy decoding token for token.
+
+    Randomness: per request, first ``m`` uniforms (acceptance tests), then one exponential race (see
+    :mod:`sampling.sampler`) for the recovered or bonus token, all from the request's own
+    ``torch.Generator`` when it has one, so a seeded request draws the same tokens in any batch.
+
+    Residual fallback: when the residual's mass is zero or not finite, which in exact arithmetic happens
+    only if ``target_probs[j] == draft_probs[j]`` (then rejection has probability zero and only float
+    rounding can reach this branch), the recovered token is drawn from ``target_probs[j]`` instead.
+    This keeps the output free of NaN and of zero-probability tokens and changes the output
+    distribution only on an event of probability zero in exact arithmetic.
+    """
+
+    def verify(
+        self,
+        target_probs: torch.Tensor,
+        draft_token_ids: Sequence[Sequence[int]],
+        draft_probs: Sequence[torch.Tensor | None],
+        greedy: Sequence[bool],
+        generators: Sequence[torch.Generator | None],
+        default_generator: torch.Generator | None = None,
+    ) -> list[VerifyResult]:
+        """Verify a flattened batch of draft chains.
+
+        Args:
+            target_probs: ``[sum_i (m_i + 1), vocab_size]`` float32, request i's ``m_i + 1`` rows in
+                order (for greedy requests any scores whose argmax is the target's greedy token).
+            draft_token_ids: per request, its ``m_i >= 0`` draft tokens.
+            draft_probs: per request, ``[m_i, vocab_size]`` float32 or None (deterministic drafter).
+            greedy: per request, use the greedy path.
+            generators: per request, its generator or None (then ``default_generator`` is used).
+
+        Returns:
+            Per request, the tokens to append and the number of accepted drafts.
+
+        Raises:
+            ValueError: row counts or shapes that do not match the drafts.
+        """
+        expected_rows = sum(len(d) + 1 for d in draft_token_ids)
+        if target_probs.shape[0] != expected_rows:
+            raise ValueError(f"target_probs has {target_probs.shape[0]} rows, drafts need {expected_rows}")
+        results: list[VerifyResult] = []
+        greedy_rows = [i for i, g in enumerate(greedy) if g]
+        argmax = target_probs.argmax(dim=-1).tolist() if greedy_rows else []
+        start = 0
+        for i, drafts in enumerate(draft_token_ids):
+            m = len(drafts)
+            if greedy[i]:
+                results.append(self._verify_greedy(list(drafts), argmax[start : start + m + 1]))
+            else:
+                dp = draft_probs[i]
+                if dp is not None and tuple(dp.shape) != (m, target_probs.shape[1]):
+                    raise ValueError(
+                        f"draft_probs of request {i} has shape {tuple(dp.shape)}, expected {m} rows"
+                    )
+                gen = generators[i] if generators[i] is not None else default_generator
+                results.append(
+                    self._verify_random(target_probs[start : start + m + 1], list(drafts), dp, gen)
+                )
+            start += m + 1
+        return results
+
+    @staticmethod
+    def _verify_greedy(drafts: list[int], argmax: list[int]) -> VerifyResult:
+        for j, d in enumerate(drafts):
+            if d != argmax[j]:
+                return VerifyResult(drafts[:j] + [argmax[j]], j)
+        return VerifyResult(drafts + [argmax[len(drafts)]], len(drafts))
+
+    def _verify_random(
+        self,
+        target_probs: torch.Tensor,
+        drafts: list[int],
+        draft_probs: torch.Tensor | None,
+        generator: torch.Generator | None,
+    ) -> VerifyResult:
+        m = len(drafts)
+        if m:
+            uniforms = torch.rand(m, generator=generator, device=target_probs.device).tolist()
+            idx = torch.arange(m, device=target_probs.device)
+            d = torch.tensor(drafts, device=target_probs.device)
+            t_d = target_probs[idx, d].tolist()
+            q_d = draft_probs[idx, d].tolist() if draft_probs is not None else [1.0] * m
+            for j in range(m):
+                if not self.accept(uniforms[j], t_d[j], q_d[j]):
+                    residual = self.residual(
+                        target_probs[j], None if draft_probs is None else draft_probs[j], drafts[j]
+                    )
+                    return VerifyResult(drafts[:j] + [self._race(residual, target_probs[j], generator)], j)
+        return VerifyResult(drafts + [self._race(target_probs[m], target_probs[m], generator)], m)
+
+    @staticmethod
+    def accept(uniform: float, target_prob: float, draft_prob: float) -> bool:
+        """Accept with probability ``min(1, target_prob / draft_prob)``: ``uniform < t / q``."""
+        return uniform * draft_prob < target_prob
+
+    @staticmethod
+    def residual(target_row: torch.Tensor, draft_row: torch.Tensor | None, draft_token: int) -> torch.Tensor:
+        """Unnormalised ``max(0, target_probs - draft_probs)`` (one-hot draft when ``draft_row`` is None)."""
+        if draft_row is None:
+            res = target_row.clone()
+            res[draft_token] = 0.0
+            return res
+        return (target_row - draft_row).clamp_(min=0.0)
+
+    @staticmethod
+    def _race(weights: torch.Tensor, fallback: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token with probability proportional to ``weights`` (exponential race)."""
+        total = float(weights.sum())
+        if not (total > _TINY and total < float("inf")):
+            weights = fallback
+        noise = exponential_noise((1, weights.shape[0]), [generator], generator, weights.device)[0]
+        return int(weights.div(noise.clamp_(min=_TINY)).argmax())

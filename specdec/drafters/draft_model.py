@@ -1,0 +1,125 @@
+"""Draft-model drafter: a smaller model with the target's tokenizer proposes k tokens autoregressively
+(Leviathan et al. 2023; Chen et al. 2023).
+
+The draft model has its own KV cache tensors but shares the target's block tables and slot mapping:
+a token's draft K/V lives in the same slot as its target K/V, so allocation, prefix caching, rollback
+and preemption of the target apply to the draft cache too. Per request the drafter tracks how many
+committed tokens have valid draft KV (``drafter_state``); each step it first catches up on the committed
+tokens it has not seen (prompt chunks, the last verified tokens), then drafts. After verification the
+KV of accepted drafts stays valid; the rest is simply overwritten later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sampling.sampler import sample_from_probs
+from specdec.drafters.base import DraftInput, DraftProposal
+from specdec.errors import InvalidRequestError
+from specdec.model_runner import ModelRunner, Segment, build_inputs
+from specdec.models.decoder import DecoderLM
+from specdec.request import Request
+
+
+@dataclass
+class _DraftKV:
+    num_computed: int = 0  # committed tokens whose draft K/V is in the draft cache
+
+
+class DraftModelDrafter:
+    """Proposes with a draft model on the target's block tables.
+
+    Args:
+        model: the draft model (same vocabulary as the target).
+        target_vocab_size: the target's vocabulary size.
+        num_blocks, block_size: the target's KV pool geometry.
+        generator: for unseeded sampled requests.
+
+    Raises:
+        InvalidRequestError: the vocabularies differ.
+    """
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        target_vocab_size: int,
+        num_blocks: int,
+        block_size: int,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if model.cfg.vocab_size != target_vocab_size:
+            raise InvalidRequestError(
+                f"the draft model's vocabulary ({model.cfg.vocab_size} tokens) differs from the target's "
+                f"({target_vocab_size}); draft and target must share a tokenizer"
+            )
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.block_size = block_size
+        self.generator = generator
+
+    @staticmethod
+    def _state(request: Request) -> _DraftKV:
+        if not isinstance(request.drafter_state, _DraftKV):
+            request.drafter_state = _DraftKV()
+        return request.drafter_state
+
+    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One draft token per row, and the distribution it was drawn from (None when greedy)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        probs: list[torch.Tensor | None] = [None] * len(reqs)
+        random = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
+        if random:
+            rows = torch.tensor(random, device=logits.device)
+            temps = torch.tensor([reqs[i].sampling_params.temperature for i in random], device=logits.device)
+            p = torch.softmax(logits[rows] / temps[:, None], dim=-1)
+            drawn = sample_from_probs(p, [reqs[i].generator for i in random], self.generator).tolist()
+            for j, i in enumerate(random):
+                tokens[i], probs[i] = drawn[j], p[j]
+        return tokens, probs
+
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        proposals = [DraftProposal([]) for _ in batch]
+        # 1. Catch up on committed tokens; the last row of each drafting request gives draft 1.
+        segments, drafting = [], []
+        for i, x in enumerate(batch):
+            req, state = x.request, self._state(x.request)
+            end = req.num_computed_tokens + x.num_new_tokens
+            start = min(state.num_computed, end - 1) if x.max_drafts > 0 else min(state.num_computed, end)
+            if start >= end:
+                continue
+            num_logits = 1 if x.max_drafts > 0 else 0
+            segments.append(Segment(req.block_ids, start, req.token_ids[start:end], num_logits))
+            state.num_computed = end
+            if x.max_drafts > 0:
+                drafting.append(i)
+        if not segments:
+            return proposals
+        logits = self.runner.execute(build_inputs(segments, self.block_size, self.runner.device))
+        probs_rows: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
+        while drafting:
+            reqs = [batch[i].request for i in drafting]
+            tokens, probs = self._draw(logits, reqs)
+            for i, t, p in zip(drafting, tokens, probs):
+                proposals[i].token_ids.append(t)
+                if p is not None:
+                    probs_rows[i].append(p)
+            drafting = [i for i in drafting if len(proposals[i].token_ids) < batch[i].max_drafts]
+            if not drafting:
+                break
+            # 2. Feed each draft back: one token per request at the position after the last one.
+            segments = []
+            for i in drafting:
+                req, drafts = batch[i].request, proposals[i].token_ids
+                segments.append(Segment(req.block_ids, req.num_tokens + len(drafts) - 1, drafts[-1:], 1))
+            logits = self.runner.execute(build_inputs(segments, self.block_size, self.runner.device))
+        for i, rows in probs_rows.items():
+            if rows:
+                proposals[i].draft_probs = torch.stack(rows)
+        return proposals
+
+    def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Accepted drafts that were fed to the draft model keep their KV (the last draft never was)."""
+        state = self._state(request)
+        state.num_computed += min(num_accepted, max(num_drafts - 1, 0))

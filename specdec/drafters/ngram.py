@@ -1,0 +1,68 @@
+"""Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"): draft by copying what followed the
+most recent earlier occurrence of the context's last n tokens.
+
+Each request keeps an index from every n-gram (``prompt_lookup_min <= n <= prompt_lookup_max``) of its
+committed tokens to the position where its most recent occurrence ends, updated incrementally as tokens
+are committed. A proposal is then ``O(prompt_lookup_max)`` dictionary look-ups and the index costs
+``O(context length × n-gram sizes)`` in total, so a 32k-token prompt does not slow the steps that follow
+its prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.config import SpeculativeConfig
+from specdec.drafters.base import DraftInput, DraftProposal
+from specdec.request import Request
+
+
+@dataclass
+class _NgramIndex:
+    """``last_end[n][ngram]`` = end position (exclusive) of the latest occurrence of ``ngram`` whose
+    end is at most ``num_indexed``; n-grams ending at the very end of the context are indexed only
+    when a later token arrives, so a look-up never finds the suffix itself."""
+
+    last_end: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    num_indexed: int = 0
+
+
+class NgramDrafter:
+    """Deterministic drafter: ``draft_probs`` is None (one-hot)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.n_max = config.prompt_lookup_max
+        self.n_min = config.prompt_lookup_min
+
+    def _index(self, request: Request) -> _NgramIndex:
+        index = request.drafter_state
+        if not isinstance(index, _NgramIndex):
+            index = request.drafter_state = _NgramIndex({n: {} for n in range(self.n_min, self.n_max + 1)})
+        tokens = request.token_ids
+        # Index n-grams ending at positions num_indexed+1 .. len-1 (exclusive ends), i.e. not the suffix.
+        for end in range(index.num_indexed + 1, len(tokens)):
+            for n, table in index.last_end.items():
+                if end >= n:
+                    table[tuple(tokens[end - n : end])] = end
+        index.num_indexed = max(index.num_indexed, len(tokens) - 1)
+        return index
+
+    def propose_one(self, request: Request, max_drafts: int) -> list[int]:
+        """Up to ``max_drafts`` tokens that followed the latest earlier match of the longest suffix."""
+        if max_drafts <= 0:
+            return []
+        tokens = request.token_ids
+        index = self._index(request)
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(tokens) < n + 1:
+                continue
+            end = index.last_end[n].get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end : end + max_drafts]
+        return []
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        return [DraftProposal(self.propose_one(x.request, x.max_drafts)) for x in batch]
+
+    def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Nothing to roll back: the index only ever holds committed tokens."""
