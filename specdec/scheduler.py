@@ -76,6 +76,8 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by arrival_index
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        #: Preemptions per request id (kept after the request finishes, for tests and reports).
+        self.num_preemptions_by_request: dict[str, int] = {}
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -98,6 +100,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.stats.num_preemptions += 1
         self.num_preemptions += 1
+        rid = request.request_id
+        self.num_preemptions_by_request[rid] = self.num_preemptions_by_request.get(rid, 0) + 1
         self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:

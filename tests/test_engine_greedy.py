@@ -7,20 +7,7 @@ import torch
 
 from sampling.params import SamplingParams
 from specdec import LLM
-from specdec.llm import chat_token_ids
-
-
-def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+from tests.conftest import hf_greedy
 
 
 def _tiny_prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
@@ -130,32 +117,6 @@ def test_seeded_sampling_independent_of_batch(tiny_model_dirs):
         prompts[0], SamplingParams(temperature=1.0, seed=43, max_tokens=15, ignore_eos=True)
     )
     assert other_seed[0].outputs[0].token_ids != alone
-
-
-SMOL_QUESTIONS = [
-    "What is the capital of France?",
-    "Write a Python function that checks whether a number is prime.",
-    "Explain in two sentences why the sky is blue.",
-    "List three uses of a paper clip.",
-    "Translate 'good morning, how are you?' into French and Spanish, then explain the grammar of each "
-    "translation in detail for a beginner who has never studied either language.",
-]
-SYSTEM = "You are a concise, helpful assistant. Answer accurately and do not invent facts."
-
-
-@pytest.fixture(scope="module")
-def smol_reference(smollm2_dir):
-    """Chat prompts sharing a system prompt, and transformers' greedy continuations (64 tokens)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = []
-    for q in SMOL_QUESTIONS:
-        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-        prompts.append(chat_token_ids(tok, msgs))
-    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    refs = [hf_greedy(hf_model, p, 64, eos=tok.eos_token_id) for p in prompts]
-    return prompts, refs
 
 
 @pytest.mark.real_model
