@@ -219,11 +219,21 @@ class LLMEngine:
                 ).tolist()
                 results = [VerifyResult([t], 0) for t in tokens]
             else:
-                temps = torch.tensor(
-                    [1.0 if p.greedy else p.temperature for p, n in zip(params, num_rows) for _ in range(n)],
-                    device=logits.device,
-                )
-                target_probs = torch.softmax(logits / temps[:, None], dim=-1)
+                # Greedy rows only need the argmax, so their logits are passed as they are.
+                target_probs = logits
+                random_rows: list[int] = []
+                temps: list[float] = []
+                start = 0
+                for p, n in zip(params, num_rows):
+                    if not p.greedy:
+                        random_rows.extend(range(start, start + n))
+                        temps.extend([p.temperature] * n)
+                    start += n
+                if random_rows:
+                    rows = torch.tensor(random_rows, device=logits.device)
+                    t = torch.tensor(temps, device=logits.device)
+                    target_probs = logits.clone()
+                    target_probs[rows] = torch.softmax(logits[rows] / t[:, None], dim=-1)
                 results = self.rejection_sampler.verify(
                     target_probs,
                     [s.draft_token_ids for s in sampling],
