@@ -65,12 +65,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         x = self.input_layernorm(hidden)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # RoPE on the query and key heads in one go; values pass through.
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         attn = attention.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
         hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
         x = self.post_attention_layernorm(hidden)
