@@ -191,7 +191,8 @@ class LLMEngine:
             batch = [DraftInput(s.request, s.num_new_tokens, s.num_draft_slots) for s in out.scheduled]
             for s, proposal in zip(out.scheduled, self.drafter.propose(batch)):
                 s.draft_token_ids = proposal.token_ids[: s.num_draft_slots]
-                s.draft_probs = proposal.draft_probs
+                probs = proposal.draft_probs
+                s.draft_probs = None if probs is None else probs[: len(s.draft_token_ids)]
             if self.spec_stats is not None:
                 self.spec_stats.draft_time_s += time.perf_counter() - t0
         t0 = time.perf_counter()

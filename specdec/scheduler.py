@@ -138,8 +138,11 @@ class Scheduler:
                 req.drafter_state = None  # drafters rebuild their state from the committed tokens
                 if req.stats.first_scheduled_time is None:
                     req.stats.first_scheduled_time = time.perf_counter()
-                keys = [r.arrival_index for r in self.running]
-                self.running.insert(bisect.bisect(keys, req.arrival_index), req)
+                if not self.running or self.running[-1].arrival_index < req.arrival_index:
+                    self.running.append(req)  # the common case: newest arrival
+                else:
+                    keys = [r.arrival_index for r in self.running]
+                    self.running.insert(bisect.bisect(keys, req.arrival_index), req)
                 scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
                 budget -= n
         return SchedulerOutput(scheduled, preempted)

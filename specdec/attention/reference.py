@@ -8,6 +8,7 @@ only on the batch, so they are built once per forward and reused by every layer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,9 +38,14 @@ def write_kv(
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
 
+@functools.lru_cache(maxsize=64)
+def _causal_mask(query_len: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril_()
+
+
 def _new_token_mask(query_len: int, custom: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     if custom is None:
-        return torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril_()
+        return _causal_mask(query_len, device)
     if custom.shape != (query_len, query_len):
         raise ValueError(f"new-token mask must be [{query_len}, {query_len}], got {tuple(custom.shape)}")
     return custom.to(device=device, dtype=torch.bool)
