@@ -19,9 +19,12 @@ per-request metrics):
   step of the target emits (accepted drafts plus the target's own token).
 - ``accepted_per_position[i]`` = the fraction of draft steps in which the draft token at position i
   (0-based) was accepted; non-increasing in i, as acceptance stops at the first rejection.
-- ``speedup`` = tokens/s with speculation / tokens/s without.
+- ``speedup`` = tokens/s with speculation / tokens/s without. ``speedup_median`` = the median over
+  prompts of each prompt's own speedup: robust to a one-off stall (another process on a shared CPU).
 - ``greedy_equal``: every speculative output equals the baseline output token for token (greedy only;
-  null when sampling, where outputs legitimately differ).
+  null when sampling, where outputs legitimately differ). In bfloat16 a verification forward over
+  K+1 tokens rounds differently from a one-token decode step, so near-ties can flip the argmax and
+  outputs drift apart after a few dozen tokens; ``model.dtype=float32`` makes it an exact check.
 
 Outputs in the Hydra run dir: ``summary.json`` (metrics, per-category metrics, resolved config, git
 commit, package versions, seeds) and ``results.jsonl`` (one line per prompt).
@@ -32,6 +35,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import statistics
 import subprocess
 import sys
 import time
@@ -247,6 +251,7 @@ def aggregate(records: Sequence[dict[str, Any]], greedy: bool, speculative: bool
         "time_s_spec": None,
         "tokens_per_s_spec": None,
         "speedup": None,
+        "speedup_median": None,
         "mean_acceptance_length": None,
         "acceptance_rate": None,
         "accepted_per_position": None,
@@ -268,6 +273,14 @@ def aggregate(records: Sequence[dict[str, Any]], greedy: bool, speculative: bool
         out["tokens_per_s_spec"] = spec_tokens / spec_time
     if out["tokens_per_s_spec"] is not None and out["tokens_per_s_baseline"]:
         out["speedup"] = out["tokens_per_s_spec"] / out["tokens_per_s_baseline"]
+    ratios = [
+        (r["spec"]["num_tokens"] / r["spec"]["time_s"])
+        / (r["baseline"]["num_tokens"] / r["baseline"]["time_s"])
+        for r in records
+        if r["spec"]["time_s"] > 0 and r["baseline"]["time_s"] > 0 and r["baseline"]["num_tokens"] > 0
+    ]
+    if ratios:
+        out["speedup_median"] = statistics.median(ratios)
     counts = [r["spec"]["counts"] for r in records if r["spec"]["counts"] is not None]
     if counts:
         drafts = sum(c["num_drafts"] for c in counts)
@@ -522,6 +535,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("time (s)", _fmt(summary["time_s_baseline"]), _fmt(summary["time_s_spec"])),
         ("tokens/s", _fmt(summary["tokens_per_s_baseline"]), _fmt(summary["tokens_per_s_spec"])),
         ("speedup", "", _fmt(summary["speedup"], suffix="x")),
+        ("speedup (median over prompts)", "", _fmt(summary["speedup_median"], suffix="x")),
         ("tau (mean acceptance length)", "", _fmt(summary["mean_acceptance_length"])),
         ("acceptance rate", "", _fmt(summary["acceptance_rate"], ".3f")),
         (
@@ -529,12 +543,26 @@ def format_summary(summary: dict[str, Any]) -> str:
             "",
             "-" if per_pos is None else " ".join(f"{x:.2f}" for x in per_pos),
         ),
-        ("greedy_equal", "", _fmt(summary["greedy_equal"])),
+        (
+            "greedy_equal",
+            "",
+            _fmt(summary["greedy_equal"])
+            + (
+                f" ({summary['num_greedy_mismatches']}/{summary['num_prompts']} outputs differ)"
+                if summary["greedy_equal"] is False
+                else ""
+            ),
+        ),
     ]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len("baseline"), *(len(r[1]) for r in rows))
     lines = [head, f"{'':{w0}}  {'baseline':>{w1}}  {spec_col}"]
     lines += [f"{a:{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
+    if summary["greedy_equal"] is False and cfg["model"]["dtype"] == "bfloat16":
+        lines.append(
+            "note: bfloat16 verification forwards round differently from one-token decode steps, so "
+            "greedy outputs may drift apart; rerun with model.dtype=float32 for an exact check"
+        )
     per_cat = summary.get("per_category") or {}
     if len(per_cat) > 1:
         cols = ("category", "n", "tok/s base", "tok/s spec", "speedup", "tau", "acc.rate", "equal")

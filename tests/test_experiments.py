@@ -364,6 +364,20 @@ def test_run_prompts_mismatch_and_sampling():
         diverging, [[1, 2]], speculative_config={"method": "ngram"}, sampling=SamplingConfig(), max_tokens=2
     )
     assert metrics["greedy_equal"] is False and metrics["num_greedy_mismatches"] == 1
+    assert metrics["speedup_median"] > 0
+    summary = {
+        **metrics,
+        "drafter": "ngram",
+        "config": {
+            "model": {"name": "m", "dtype": "bfloat16"},
+            "drafter": {"num_speculative_tokens": 2},
+            "dataset": {"name": "builtin"},
+            "sampling": {"temperature": 0.0},
+            "max_tokens": 2,
+        },
+    }
+    text = format_summary(summary)
+    assert "false (1/1 outputs differ)" in text and "model.dtype=float32" in text
     metrics, records = run_prompts(
         diverging,
         [[1, 2]],
