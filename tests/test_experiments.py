@@ -74,7 +74,7 @@ def test_every_group_has_its_options():
 
 def test_default_config(hydra_conf):
     cfg = load_cfg()
-    assert cfg.model.name == "smollm2-135m-instruct" and cfg.model.dtype is Dtype.bfloat16
+    assert cfg.model.name == "smollm2-135m-instruct" and cfg.model.dtype is Dtype.float32
     assert isinstance(cfg.drafter, NgramDrafterConfig)
     assert cfg.drafter.speculative_config() == {
         "method": "ngram",
