@@ -115,25 +115,59 @@ def test_everything_rejected(spec_models):
 
 
 @pytest.mark.parametrize("k", [4])
-def test_stop_token_at_every_offset_of_an_accepted_block(spec_models, k):
-    """With every draft accepted, a step emits k + 1 tokens; a stop token at any offset of that block,
-    including the bonus position, ends generation there, and streaming never shows a token past it."""
+def test_eos_at_every_offset_of_an_accepted_block(spec_models, k):
+    """With every draft accepted, a step emits k + 1 tokens; EOS at any offset of that block, including
+    the bonus position, ends generation there, and streaming never shows a token past it. A stop token
+    id takes the same path."""
     prompt = _prompts(2)[1]
     base, _ = _run(spec_models["target"], [prompt], 24)
     spec = {"method": "draft_model", "model": str(spec_models["target"]), "num_speculative_tokens": k}
     llm = LLM(spec_models["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec)
     for offset in range(2 * (k + 1)):
-        stop = base[0][offset]
-        first = base[0].index(stop)
-        sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])
-        streamed: list[int] = []
-        final = None
-        for chunk in llm.stream({"prompt_token_ids": prompt}, sp):
-            streamed.extend(chunk.outputs[0].new_token_ids)
-            final = chunk
-        assert streamed == base[0][: first + 1]
-        assert final is not None and final.finished and final.outputs[0].finish_reason == "stop"
+        eos = base[0][offset]
+        first = base[0].index(eos)
+        for use_stop_ids in (False, True):
+            if use_stop_ids:
+                object.__setattr__(llm.engine.model_cfg, "eos_token_ids", ())
+                sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[eos])
+            else:
+                object.__setattr__(llm.engine.model_cfg, "eos_token_ids", (eos,))
+                sp = SamplingParams(temperature=0, max_tokens=24)
+            streamed: list[int] = []
+            final = None
+            for chunk in llm.stream({"prompt_token_ids": prompt}, sp):
+                streamed.extend(chunk.outputs[0].new_token_ids)
+                final = chunk
+            assert streamed == base[0][: first + 1]
+            assert final is not None and final.finished and final.outputs[0].finish_reason == "stop"
+            assert final.outputs[0].token_ids == streamed
+    assert llm.engine.spec_stats.acceptance_rate == 1.0
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_near_greedy_temperature_with_draft_equal_to_target(spec_models):
+    """Target and draft distributions are (nearly) one-hot on the same token at temperature 1e-4: no NaN,
+    no zero-probability token, and the output equals greedy decoding."""
+    prompts = _prompts(3, seed=4)
+    base, _ = _run(spec_models["target"], prompts, 20)
+    spec = {"method": "draft_model", "model": str(spec_models["target"]), "num_speculative_tokens": 3}
+    llm = LLM(spec_models["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec, seed=3)
+    sp = [SamplingParams(temperature=1e-4, seed=s, max_tokens=20, ignore_eos=True) for s in (None, 1, 2)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [o.outputs[0].token_ids for o in outs] == base
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_draft_model_with_another_vocabulary_fails_at_construction(spec_models, tmp_path):
+    from specdec.errors import InvalidRequestError
+    from tests.conftest import make_tiny_hf_model
+
+    make_tiny_hf_model("llama", 6, 2, True, vocab_size=VOCAB // 2).save_pretrained(tmp_path / "small_vocab")
+    spec = {"method": "draft_model", "model": str(tmp_path / "small_vocab"), "num_speculative_tokens": 2}
+    with pytest.raises(
+        InvalidRequestError, match=r"vocabulary \(64 tokens\) differs from the target's \(128\)"
+    ):
+        LLM(spec_models["target"], skip_tokenizer_init=True, speculative_config=spec)
 
 
 def test_max_tokens_inside_an_accepted_block(spec_models):
