@@ -8,8 +8,8 @@ Rows:
 
 For each row: tokens/s of plain greedy decoding and of speculative decoding for both systems, each
 one's speedup over its own baseline, τ (tokens emitted per target forward: ours from the verifier's
-counters, transformers' by counting the target model's forward calls after prefill), and our wall-clock
-ratio to transformers.
+counters, transformers' as tokens after the first ÷ the target model's forward calls after prefill),
+and our wall-clock ratio to transformers.
 
     python -m experiments.bench_spec --rows ngram,draft_model --max-tokens 128
 """
@@ -116,7 +116,8 @@ def run_row(
             outs.append(new)
         result[f"hf_tokens_per_s_{name}"] = tokens / elapsed
         if name == "spec":
-            result["hf_tau"] = tokens / forwards
+            # The prefill forward emits each prompt's first token; τ counts the tokens of the steps after it.
+            result["hf_tau"] = (tokens - len(prompts)) / forwards
         result[f"hf_outputs_equal_ours_{name}"] = outs == plain_outs
     result["hf_speedup"] = result["hf_tokens_per_s_spec"] / result["hf_tokens_per_s_plain"]
     result["wall_clock_ratio_spec_ours_vs_hf"] = (
