@@ -35,10 +35,10 @@ import pytest
 import torch
 
 from sampling.params import SamplingParams
-from sampling.rejection_sampler import RejectionSampler
 from specdec import LLM
 from tests.conftest import make_tiny_hf_model
 from tests.stats import ALPHA, GofResult, assert_differs, counts_of, goodness_of_fit
+from tests.test_rejection_sampler import AcceptEverything, RecoverFromTarget
 
 V = 8
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5]  # repetitive, so n-gram lookup finds matches
@@ -182,18 +182,6 @@ def test_speculative_output_distribution_matches_target(setup, method):
     assert stats.num_draft_tokens > stats.num_drafts  # chains of 2 drafts were verified
     assert stats.accepted_per_position[1] > 0
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks  # everything freed
-
-
-class AcceptEverything(RejectionSampler):
-    @staticmethod
-    def accept(uniform: float, target_prob: float, draft_prob: float) -> bool:
-        return True
-
-
-class RecoverFromTarget(RejectionSampler):
-    @staticmethod
-    def residual(target_row: torch.Tensor, draft_row: torch.Tensor | None, draft_token: int) -> torch.Tensor:
-        return target_row.clone()
 
 
 @pytest.mark.parametrize("control", [AcceptEverything, RecoverFromTarget])
