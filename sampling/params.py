@@ -6,7 +6,7 @@ Names and meanings follow vLLM's offline API (``vllm.SamplingParams``) so resear
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from specdec.errors import InvalidRequestError
@@ -57,6 +57,12 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must fit in 64 bits, got {self.seed}")
+        if isinstance(self.stop_token_ids, (str, bytes, dict)) or not isinstance(
+            self.stop_token_ids, Iterable
+        ):
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
         ids = list(self.stop_token_ids)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.errors import ConfigError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -15,7 +17,7 @@ def _check_int(name: str, value: object, minimum: int, optional: bool = False) -
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = f"an integer >= {minimum}" + (" or None" if optional else "")
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
+        raise ConfigError(f"{name} must be {kind}, got {value!r}")
 
 
 @dataclass
@@ -40,7 +42,7 @@ class CacheConfig:
         _check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+            raise ConfigError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
 
 @dataclass
@@ -67,14 +69,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"`` / ``"bfloat16"`` / ``"float16"`` or a torch dtype.
 
     Raises:
-        ValueError: any other dtype.
+        ConfigError (a ValueError): any other dtype.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
+            raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -103,7 +105,7 @@ class SpeculativeConfig:
         draft_dtype: dtype of the draft model; None: the target's.
 
     Raises:
-        ValueError: unknown method, k outside 1..16, bad n-gram sizes, missing draft model.
+        ConfigError (a ValueError): unknown method, k outside 1..16, bad n-gram sizes, missing draft model.
     """
 
     method: str = "ngram"
@@ -115,16 +117,18 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+            raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
+            raise ConfigError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
         if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative method 'draft_model' needs model=<zoo name or directory>")
+            raise ConfigError("speculative method 'draft_model' needs model=<zoo name or directory>")
+        if self.method != "draft_model" and self.model is not None:
+            raise ConfigError(f"speculative method {self.method!r} takes no model (got model={self.model!r})")
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
@@ -136,9 +140,9 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value)}")
+            raise ConfigError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value)}")
         known = set(cls.__dataclass_fields__)
         unknown = set(value) - known
         if unknown:
-            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(known)}")
+            raise ConfigError(f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(known)}")
         return cls(**value)

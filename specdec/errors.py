@@ -36,3 +36,7 @@ class CorruptModelError(SpecdecError):
 
 class KVCacheExhaustedError(SpecdecError):
     """A single request needs more KV blocks than the whole pool holds, so preemption cannot help."""
+
+
+class ConfigError(SpecdecError, ValueError):
+    """An engine, cache, scheduler or speculative configuration value is invalid (raised before loading)."""

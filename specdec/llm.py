@@ -14,7 +14,7 @@ from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, reso
 from specdec.engine import LLMEngine
 from specdec.errors import InvalidRequestError
 from specdec.outputs import CompletionOutput, RequestOutput
-from specdec.request import Request
+from specdec.request import Request, RequestStatus
 
 Prompt = str | dict[str, Any]
 
@@ -67,12 +67,13 @@ class LLM:
         cache_config = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes)
         scheduler_config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
         self.model_dir = resolve_model(model)
+        # Resolve (fetch) the draft model before any loading, so a bad name fails first.
+        draft_dir = resolve_model(spec.model) if spec is not None and spec.model else None
         self.tokenizer = None
         if not skip_tokenizer_init:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), trust_remote_code=False)
-        draft_dir = resolve_model(spec.model) if spec is not None and spec.model else None
         self.engine = LLMEngine(
             self.model_dir,
             torch_dtype,
@@ -206,10 +207,21 @@ class LLM:
         tokens; ``outputs[0].new_token_ids`` holds the tokens added since its previous chunk."""
         added = self._add_all(prompts, sampling_params)
         texts = {req.request_id: text for text, req in added}
-        while self.engine.has_unfinished_requests():
-            for req in self.engine.step():
-                if req.request_id in texts:
-                    yield self._output(texts[req.request_id], req, delta=True)
+        pending = {req.request_id: req for _, req in added}
+        try:
+            while pending and self.engine.has_unfinished_requests():
+                for req in self.engine.step():
+                    if req.request_id in texts:
+                        yield self._output(texts[req.request_id], req, delta=True)
+                for rid, req in list(pending.items()):
+                    if req.status.finished:
+                        del pending[rid]
+                        if req.status is RequestStatus.FINISHED_ABORTED:  # aborted between steps
+                            yield self._output(texts[rid], req, delta=True)
+        finally:
+            # A consumer that stops iterating abandons its requests: free them.
+            for rid in pending:
+                self.engine.abort_request(rid)
 
     def chat(
         self,
@@ -224,7 +236,19 @@ class LLM:
         """
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("chat() needs a tokenizer with a chat template")
+        if not isinstance(messages, list):
+            raise InvalidRequestError(
+                f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages)}"
+            )
         conversations: list[Any] = [messages] if messages and isinstance(messages[0], dict) else messages
+        for conv in conversations:
+            if not isinstance(conv, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in conv
+            ):
+                raise InvalidRequestError(
+                    "each conversation must be a list of {'role': str, 'content': str} messages"
+                )
         prompts: list[Prompt] = [
             {"prompt_token_ids": chat_token_ids(self.tokenizer, conv, add_generation_prompt)}
             for conv in conversations

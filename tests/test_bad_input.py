@@ -319,3 +319,48 @@ def test_missing_weights_file(model_dir, tmp_path):
         f.unlink()
     with pytest.raises(CorruptModelError, match="no \\*\\.safetensors weights"):
         LLM(copy, skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize("value", [None, 5, "7"])
+def test_stop_token_ids_must_be_a_list(value):
+    with pytest.raises(InvalidRequestError, match="stop_token_ids must be a list of token ids"):
+        SamplingParams(stop_token_ids=value)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        (
+            {"method": "ngram", "num_speculative_tokens": 0},
+            r"num_speculative_tokens must be an integer in \[1, 16\]",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 17},
+            r"num_speculative_tokens must be an integer in \[1, 16\]",
+        ),
+        ({"method": "foo"}, "speculative method must be one of"),
+        ({"method": "ngram", "bogus": 1}, r"unknown speculative_config keys \['bogus'\]"),
+        ({"method": "draft_model"}, "needs model="),
+        ({"method": "ngram", "model": "x"}, "takes no model"),
+        ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max must be"),
+        ("ngram", "must be a SpeculativeConfig or a dict"),
+    ],
+)
+def test_bad_speculative_config_is_a_config_error(tiny_model_dirs, spec, match):
+    from specdec.errors import ConfigError, SpecdecError
+
+    with pytest.raises(ConfigError, match=match) as info:
+        LLM(tiny_model_dirs["llama-gqa3-tied"], skip_tokenizer_init=True, speculative_config=spec)
+    assert isinstance(info.value, SpecdecError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.real_model
+def test_chat_rejects_malformed_messages(smollm2_dir):
+    llm = LLM(smollm2_dir)
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    for bad in ("hello", [{"role": "user"}], [{"role": "user", "content": 3}], [[{"content": "x"}]]):
+        with pytest.raises(InvalidRequestError, match=r"messages|conversation"):
+            llm.chat(bad, sp)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.chat([{"role": "user", "content": "Hi"}], sp)[0]
+    assert len(out.outputs[0].token_ids) == 2

@@ -148,3 +148,29 @@ def test_smollm2_greedy_parity(smollm2_dir, smol_reference, engine_kwargs):
     elif engine_kwargs["enable_prefix_caching"]:
         # The shared system prompt is served from the prefix cache for every request of the batch.
         assert all(o.metrics["num_cached_prompt_tokens"] >= 16 for o in outs)
+
+
+def test_stream_abort_gives_a_final_chunk_and_abandoned_streams_free_their_requests(tiny_model_dirs):
+    d = tiny_model_dirs["llama-mha-untied"]
+    llm = LLM(d, skip_tokenizer_init=True, block_size=4)
+    prompts = [{"prompt_token_ids": p} for p in _tiny_prompts(128, [2, 13, 6])]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    chunks = []
+    for chunk in llm.stream(prompts, sp):
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            llm.engine.abort_request(chunks[0].request_id)
+    by_id: dict[str, list] = {}
+    for c in chunks:
+        by_id.setdefault(c.request_id, []).append(c)
+    aborted = by_id[chunks[0].request_id][-1]
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    others = [v[-1] for k, v in by_id.items() if k != chunks[0].request_id]
+    assert [o.outputs[0].token_ids for o in others] == expected[1:]  # neighbours unchanged
+    # Abandoning a stream aborts its requests: nothing is left running and every block is free.
+    it = llm.stream(prompts, sp)
+    next(it)
+    it.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
