@@ -157,7 +157,14 @@ class ReferenceAttention:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
             out[rows] = o.transpose(0, 1)
         bt = plan.batched
-        if bt is not None:
+        if bt is not None and bt.mask is None:
+            # One request decoding one token: no mask and no padding, so SDPA's fused kernel applies.
+            k = k_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq].transpose(0, 1).unsqueeze(0)
+            v = v_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq].transpose(0, 1).unsqueeze(0)
+            q = query[bt.rows].transpose(0, 1).unsqueeze(0)  # [1, H, 1, D]
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=gqa)
+            out[bt.rows] = o[0].transpose(0, 1)
+        elif bt is not None:
             out[bt.rows] = self._batched(query, k_cache, v_cache, bt, scale)
         return out
 
