@@ -54,6 +54,22 @@ def make_tiny_hf_model(
     return model.float().eval()
 
 
+@pytest.fixture(scope="module")
+def fast_cpu_settings():
+    """For tests of many tiny tensors: one intra-op thread (threads only add overhead, ~100x on a loaded
+    2-core machine), and the objects alive now frozen out of the cyclic GC, whose full collections
+    otherwise rescan them while the engine allocates per request. Restored afterwards."""
+    import gc
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """Every tiny config saved as an HF-format directory (safetensors), keyed by name."""

@@ -11,8 +11,6 @@ draft; recovered token from the target instead of the residual) must fail the sa
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 import torch
@@ -23,17 +21,7 @@ from tests.stats import ALPHA, assert_differs, assert_matches, counts_of
 V = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_cpu_settings():
-    """Tiny tensors: one intra-op thread (threads only add overhead, ~100x on a loaded 2-core machine);
-    objects alive now frozen out of the cyclic GC's full collections."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("fast_cpu_settings")
 
 
 def one_hot(tokens: list[int], vocab: int = V) -> torch.Tensor:

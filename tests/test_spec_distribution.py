@@ -28,7 +28,6 @@ than 5,000 (the scheduler's admission is quadratic in the number of running requ
 from __future__ import annotations
 
 import copy
-import gc
 
 import numpy as np
 import pytest
@@ -51,17 +50,7 @@ NUM_CONTROL_CALLS = 2  # 5,000 requests at T = 1.0 per negative control
 TARGET_SEED, DRAFT_SEED = 1, 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_cpu_settings():
-    """One intra-op thread, and the objects alive now (torch, transformers, ...) frozen out of the
-    cyclic GC, whose full collections otherwise rescan them while the engine allocates per request."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("fast_cpu_settings")
 
 
 @pytest.fixture(scope="module")
