@@ -31,7 +31,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.num_prefix_queries = 0
+        #: Prompt tokens served from the prefix cache, counted once per admission.
         self.num_prefix_hits = 0
 
     @property
@@ -63,8 +63,6 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
         return hits
 
     def allocate_slots(
@@ -96,6 +94,7 @@ class KVCacheManager:
             request.num_computed_tokens += num_hit_tokens
             request.num_cached_blocks = len(request.block_ids)
             request.stats.num_cached_prompt_tokens = num_hit_tokens
+            self.num_prefix_hits += num_hit_tokens
         if num_needed > 0:
             request.block_ids.extend(self.pool.allocate(num_needed))
         return True
