@@ -183,10 +183,18 @@ class SamplingConfig:
     Attributes:
         temperature: 0 is greedy.
         seed: per-request seed; prompt ``i`` uses ``seed + i`` (None: the engine's generator).
+        top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty: as in
+            :class:`sampling.SamplingParams` (defaults: off).
     """
 
     temperature: float = 0.0
     seed: int | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 # -------------------------------------------------------------------------------------- experiment
@@ -259,6 +267,21 @@ def validate_config(cfg: ExperimentConfig) -> None:
         raise ValueError(f"max_tokens must be >= 1, got {cfg.max_tokens}")
     if cfg.sampling.temperature < 0:
         raise ValueError(f"sampling.temperature must be >= 0, got {cfg.sampling.temperature}")
+    from sampling.params import SamplingParams
+
+    s = cfg.sampling
+    try:
+        SamplingParams(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+        )
+    except ValueError as e:
+        raise ValueError(f"sampling: {e}") from None
     if cfg.dataset.limit is not None and cfg.dataset.limit < 1:
         raise ValueError(f"dataset.limit must be >= 1 or null, got {cfg.dataset.limit}")
     d = cfg.drafter

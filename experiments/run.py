@@ -186,7 +186,17 @@ def run_pass(
     records: list[dict[str, Any]] = []
     for i, ids in enumerate(prompt_ids):
         seed = None if sampling.seed is None else sampling.seed + i
-        params = SamplingParams(temperature=sampling.temperature, max_tokens=max_tokens, seed=seed)
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            max_tokens=max_tokens,
+            seed=seed,
+        )
         _reset_engine_stats(llm)
         before = _engine_stats(llm)
         t0 = time.perf_counter()

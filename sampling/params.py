@@ -1,18 +1,38 @@
 """Per-request sampling parameters.
 
-Names and meanings follow vLLM's offline API (``vllm.SamplingParams``) so researchers feel at home.
+Names and meanings follow vLLM's offline API (``vllm.SamplingParams``) so researchers feel at home; each
+transform's exact definition (and the order they run in) is in :mod:`sampling.processors`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    from grammars.base import GrammarSpec
+
 #: Temperatures below this are treated as greedy decoding (argmax).
 GREEDY_EPSILON = 1e-5
+
+#: Largest ``logprobs`` (top-N alternatives per token) a request may ask for.
+MAX_LOGPROBS = 20
+
+#: Bound of the OpenAI API's presence and frequency penalties.
+MAX_OPENAI_PENALTY = 2.0
+
+
+def _is_number(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float))
+
+
+def _is_int(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, int)
 
 
 @dataclass
@@ -20,23 +40,64 @@ class SamplingParams:
     """How one request draws its tokens.
 
     Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax. Must be
-            a finite number >= 0.
+        temperature: 0 means greedy (argmax of the processed logits); otherwise the processed logits are
+            divided by it before softmax. A finite number >= 0.
+        top_k: keep the ``top_k`` largest logits (and every token tied with the k-th); 0 or -1: off.
+        top_p: nucleus sampling, keep the smallest set of most probable tokens whose mass reaches
+            ``top_p`` (at least one token); in (0, 1], 1 = off.
+        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the largest
+            probability; in [0, 1], 0 = off.
+        repetition_penalty: transformers' (Keskar et al. 2019, CTRL): a token that occurs in the prompt or
+            the output has its logit divided by it when positive, multiplied when negative; > 0, 1 = off.
+        presence_penalty: OpenAI API: subtracted from the logit of every token that occurs in the output
+            (prompt excluded); in [0, 2] (the OpenAI API also allows negative values, which reward
+            repetition; specdec does not).
+        frequency_penalty: OpenAI API: subtracted once per occurrence in the output; in [0, 2].
         seed: seed of the request's own ``torch.Generator``; a seeded request draws the same tokens alone
             or in any batch. None: draws from the engine's generator.
         max_tokens: most tokens to generate (>= 1). Generation never exceeds it.
+        min_tokens: stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are masked out and stop
+            strings ignored until this many tokens have been generated; 0 <= min_tokens <= max_tokens.
         stop_token_ids: token ids that end generation (the stop token is part of the output, like EOS).
+        stop: strings that end generation; the text is cut before the first occurrence (the stop string
+            is not part of ``text``), ``token_ids`` end with the token that completed it. Needs a tokenizer.
         ignore_eos: keep generating past the tokenizer's EOS token.
+        logprobs: None, or N in [0, 20]: return per generated token the log-probability of the chosen
+            token and of the N most likely tokens, under the processed distribution (see
+            :mod:`sampling.processors`).
+        n: independent samples per prompt (>= 1); sample i > 0 of a seeded request uses a seed derived
+            from ``(seed, i)``.
+        json_schema: constrain the output to JSON valid under this schema (a dict or a JSON string;
+            outlines-core's regex for it, with bounded whitespace). See :mod:`grammars`.
+        regex: constrain the output to a full match of this regular expression.
+        choice: constrain the output to exactly one of these strings.
+        strict: with ``json_schema``, raise if the schema uses keywords the grammar cannot enforce
+            (numeric bounds, ``uniqueItems``...) instead of warning; either way the final text is
+            validated with ``jsonschema`` (``CompletionOutput.schema_valid``).
 
     Raises:
         InvalidRequestError (a ``ValueError``): at construction, naming the field and its allowed range.
     """
 
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0
     stop_token_ids: Sequence[int] = field(default_factory=list)
+    stop: str | Sequence[str] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    strict: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,13 +108,28 @@ class SamplingParams:
         Raises:
             InvalidRequestError: naming the first invalid field and its allowed range.
         """
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise InvalidRequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not 0 <= v <= MAX_OPENAI_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_OPENAI_PENALTY}], got {v!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
             raise InvalidRequestError(f"seed must fit in 64 bits, got {self.seed}")
@@ -65,11 +141,91 @@ class SamplingParams:
             )
         ids = list(self.stop_token_ids)
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            if not _is_int(t) or t < 0:
                 raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {t!r}")
         self.stop_token_ids = ids
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if isinstance(stops, (bytes, dict)) or not isinstance(stops, Iterable):
+                raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            stops = list(stops)
+            if not all(isinstance(s, str) and s for s in stops):
+                raise InvalidRequestError(f"stop must hold non-empty strings, got {stops!r}")
+            self.stop = stops
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise InvalidRequestError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if not _is_int(self.n) or self.n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        given = [f for f in ("json_schema", "regex", "choice") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give at most one of json_schema, regex and choice, got {given}")
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise InvalidRequestError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError(
+                    f"json_schema must be a JSON object (dict or JSON string), got {type(schema).__name__}"
+                )
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise InvalidRequestError(f"regex must be a non-empty string, got {self.regex!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes, dict)) or not isinstance(self.choice, Iterable):
+                raise InvalidRequestError(f"choice must be a list of strings, got {self.choice!r}")
+            choices = list(self.choice)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise InvalidRequestError(
+                    f"choice must be a non-empty list of non-empty strings, got {choices!r}"
+                )
+            self.choice = choices
+        if not isinstance(self.strict, bool):
+            raise InvalidRequestError(f"strict must be a bool, got {self.strict!r}")
+
+    @property
+    def schema(self) -> dict | bool | None:
+        """``json_schema`` parsed (None without one)."""
+        if self.json_schema is None:
+            return None
+        return json.loads(self.json_schema) if isinstance(self.json_schema, str) else self.json_schema
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The grammar this request is constrained by, as a hashable spec (None: unconstrained)."""
+        if self.json_schema is None and self.regex is None and self.choice is None:
+            return None
+        from grammars.base import GrammarSpec
+
+        if self.json_schema is not None:
+            return GrammarSpec("json_schema", json.dumps(self.schema, sort_keys=True, separators=(",", ":")))
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.choice is not None:
+            return GrammarSpec("choice", json.dumps(list(self.choice)))
+        return None
 
     @property
     def greedy(self) -> bool:
         """True when the request decodes greedily (temperature below ``GREEDY_EPSILON``)."""
         return self.temperature < GREEDY_EPSILON
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (empty when unset)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

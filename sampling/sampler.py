@@ -55,31 +55,30 @@ def sample_from_probs(
 
 
 def sample(
-    logits: torch.Tensor,
-    temperatures: Sequence[float],
+    processed_logits: torch.Tensor,
     greedy: Sequence[bool],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Greedy or temperature sampling per row.
+    """One token per row from processed logits (see :func:`sampling.processors.process_logits`).
 
     Args:
-        logits: ``[rows, vocab]`` float32.
-        temperatures: per row, used where ``greedy`` is False.
-        greedy: per row, take the argmax.
+        processed_logits: ``[rows, vocab]`` float32; ``softmax`` of a row is its processed distribution.
+        greedy: per row, take the argmax instead of drawing.
         generators: per row, the request's generator or None.
         default_generator: for unseeded random rows.
 
     Returns:
         ``[rows]`` int64 token ids.
     """
-    tokens = logits.argmax(dim=-1)
+    tokens = processed_logits.argmax(dim=-1)
     random_rows = [i for i, g in enumerate(greedy) if not g]
     if not random_rows:
         return tokens
-    rows = torch.tensor(random_rows, device=logits.device)
-    temps = torch.tensor([temperatures[i] for i in random_rows], device=logits.device, dtype=torch.float32)
-    probs = torch.softmax(logits[rows] / temps[:, None], dim=-1)
-    drawn = sample_from_probs(probs, [generators[i] for i in random_rows], default_generator)
-    tokens[rows] = drawn
+    if len(random_rows) == len(greedy):
+        probs = torch.softmax(processed_logits, dim=-1)
+        return sample_from_probs(probs, generators, default_generator)
+    rows = torch.tensor(random_rows, device=processed_logits.device)
+    probs = torch.softmax(processed_logits[rows], dim=-1)
+    tokens[rows] = sample_from_probs(probs, [generators[i] for i in random_rows], default_generator)
     return tokens

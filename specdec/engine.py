@@ -6,11 +6,17 @@ import itertools
 import logging
 import numbers
 import time
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from sampling.logprobs import Logprob, token_logprobs
 from sampling.params import SamplingParams
+from sampling.processors import RowGroup, build_sampling_metadata, process_logits
 from sampling.rejection_sampler import RejectionSampler, VerifyResult
 from sampling.sampler import sample
 from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
@@ -24,7 +30,11 @@ from specdec.model_runner import ModelRunner
 from specdec.models.decoder import DecoderLM
 from specdec.models.loader import load_model
 from specdec.request import Request, RequestStatus
-from specdec.scheduler import Scheduler, SchedulerOutput
+from specdec.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from specdec.structured import draft_bitmask, grammar_complete
+
+if TYPE_CHECKING:
+    from grammars.base import GrammarBackend
 
 logger = logging.getLogger("specdec.engine")
 
@@ -101,6 +111,12 @@ class LLMEngine:
         self.reset_spec_stats()
         self._arrivals = itertools.count()
         self.num_steps = 0
+        #: Token ids -> text, for stop strings (set by ``LLM`` from its tokenizer).
+        self.detokenize: Callable[[list[int]], str] | None = None
+        #: Compiles grammar specs (set by ``LLM`` from its tokenizer); None: constrained decoding is off.
+        self.grammar_backend: GrammarBackend | None = None
+        #: Constrained requests whose grammar is still compiling (admitted by ``step`` when ready).
+        self.compiling: dict[str, tuple[Request, Future]] = {}
 
     def reset_spec_stats(self) -> None:
         """Zero the aggregate acceptance counters (None when speculation is off)."""
@@ -113,7 +129,8 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: empty prompt, prompt of ``max_model_len`` tokens or more, token ids
-                outside ``[0, vocab_size)``, or params that are not a ``SamplingParams``.
+                outside ``[0, vocab_size)``, params that are not a ``SamplingParams``, stop token ids
+                outside the vocabulary, or stop strings without a tokenizer.
             KVCacheExhaustedError: the request alone needs more KV blocks than the pool has.
         """
         if not isinstance(params, SamplingParams):
@@ -137,6 +154,20 @@ class LLMEngine:
         ]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stops:
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}); got {bad_stops[:5]}")
+        if params.stop_strings and self.detokenize is None:
+            raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init=True was given)")
+        if params.grammar_spec is not None:
+            if self.grammar_backend is None:
+                raise InvalidRequestError(
+                    "json_schema / regex / choice need a tokenizer (skip_tokenizer_init=True was given)"
+                )
+            if params.json_schema is not None:
+                from grammars.schema import check_schema
+
+                check_schema(params.schema, strict=params.strict)  # UnsupportedSchemaError when strict
         total = min(n + params.max_tokens, self.max_model_len)
         # The last generated token ends the request before its KV is ever written; a verification
         # step may also reserve slots for num_speculative_tokens drafts past the committed tokens.
@@ -150,7 +181,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Validate and queue one request (see :meth:`validate` for the errors raised)."""
         self.validate(prompt_token_ids, params)
-        if request_id in self.scheduler.requests:
+        if params.n != 1:
+            raise InvalidRequestError("the engine takes one sequence per request; LLM.generate expands n > 1")
+        if request_id in self.scheduler.requests or request_id in self.compiling:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(
             request_id,
@@ -161,17 +194,51 @@ class LLMEngine:
         )
         if self.num_speculative_tokens:
             req.spec_stats = SpecStats(self.num_speculative_tokens)
-        self.scheduler.add_request(req)
+        spec = params.grammar_spec
+        if spec is not None and self.grammar_backend is not None:
+            # Compiled off the engine thread; the request joins the scheduler once its grammar is ready.
+            self.compiling[request_id] = (req, self.grammar_backend.compile_async(spec))
+            self._admit_compiled()
+        else:
+            self.scheduler.add_request(req)
         return req
+
+    def _admit_compiled(self, wait: bool = False) -> None:
+        """Hand requests whose grammar finished compiling to the scheduler (``wait``: block for one).
+
+        A grammar that fails to compile aborts its request only, with ``request.error`` set.
+        """
+        if not self.compiling:
+            return
+        if wait:
+            futures.wait([f for _, f in self.compiling.values()], return_when=futures.FIRST_COMPLETED)
+        for rid, (req, fut) in list(self.compiling.items()):
+            if not fut.done():
+                continue
+            del self.compiling[rid]
+            try:
+                req.grammar = fut.result().matcher()
+            except Exception as e:  # a compile error or limit: this request ends, the others go on
+                logger.warning("request %s: grammar compilation failed: %s", rid, e)
+                req.error = f"{type(e).__name__}: {e}"
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.stats.finished_time = time.perf_counter()
+                continue
+            self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free everything it holds; unknown or finished ids are ignored."""
+        if request_id in self.compiling:
+            req, fut = self.compiling.pop(request_id)
+            fut.cancel()
+            req.status = RequestStatus.FINISHED_ABORTED
+            return
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.compiling)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[Request]:
@@ -180,10 +247,12 @@ class LLMEngine:
         Returns:
             The requests that received tokens this step (finished ones included).
         """
+        self._admit_compiled()
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+            self._admit_compiled(wait=True)  # only compiling requests are left: wait for one
             return []
         self.num_steps += 1
         if self.drafter is not None:
@@ -191,6 +260,9 @@ class LLMEngine:
             batch = [DraftInput(s.request, s.num_new_tokens, s.num_draft_slots) for s in out.scheduled]
             for s, proposal in zip(out.scheduled, self.drafter.propose(batch)):
                 s.draft_token_ids = proposal.token_ids[: s.num_draft_slots]
+                grammar = s.request.grammar
+                if grammar is not None and s.draft_token_ids:  # drafts end at the first forbidden one
+                    s.draft_token_ids = s.draft_token_ids[: grammar.validate_tokens(s.draft_token_ids)]
                 probs = proposal.draft_probs
                 s.draft_probs = None if probs is None else probs[: len(s.draft_token_ids)]
             if self.spec_stats is not None:
@@ -203,46 +275,53 @@ class LLMEngine:
             self.spec_stats.verify_time_s += time.perf_counter() - t0
         return updated
 
+    def _row_group(self, req: Request, draft_token_ids: list[int], num_rows: int) -> RowGroup:
+        bitmask = None
+        if req.grammar is not None:
+            bitmask = draft_bitmask(req.grammar, draft_token_ids, num_rows, self.model_cfg.vocab_size)
+        return RowGroup(
+            req.sampling_params,
+            req.token_ids,
+            req.num_prompt_tokens,
+            req.stop_ids,
+            draft_token_ids,
+            num_rows,
+            bitmask,
+        )
+
     def _update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Request]:
-        """Turn the logits rows into tokens: a plain sample, or verification of the drafts."""
+        """Turn the logits rows into tokens: a plain sample, or verification of the drafts.
+
+        Every row is first processed (penalties, masks, temperature, top-k/p, min-p) with its own
+        prefix; the processed rows are what sampling, verification and ``logprobs`` use.
+        """
         sampling = [s for s in out.scheduled if s.sample]
-        results = []
+        results: list[VerifyResult] = []
+        processed = logits
         if sampling:
-            params = [s.request.sampling_params for s in sampling]
-            num_rows = [1 + len(s.draft_token_ids) for s in sampling]
+            groups = [
+                self._row_group(s.request, s.draft_token_ids, 1 + len(s.draft_token_ids)) for s in sampling
+            ]
+            meta = build_sampling_metadata(groups, logits.shape[-1], logits.device)
+            processed = process_logits(logits, meta)
             if not any(s.draft_token_ids for s in sampling):
                 tokens = sample(
-                    logits,
-                    [p.temperature for p in params],
-                    [p.greedy for p in params],
-                    [s.request.generator for s in sampling],
-                    self.generator,
+                    processed, meta.greedy, [s.request.generator for s in sampling], self.generator
                 ).tolist()
                 results = [VerifyResult([t], 0) for t in tokens]
             else:
-                # Greedy rows only need the argmax, so their logits are passed as they are.
-                target_probs = logits
-                random_rows: list[int] = []
-                temps: list[float] = []
-                start = 0
-                for p, n in zip(params, num_rows):
-                    if not p.greedy:
-                        random_rows.extend(range(start, start + n))
-                        temps.extend([p.temperature] * n)
-                    start += n
-                if random_rows:
-                    rows = torch.tensor(random_rows, device=logits.device)
-                    t = torch.tensor(temps, device=logits.device)
-                    target_probs = logits.clone()
-                    target_probs[rows] = torch.softmax(logits[rows] / t[:, None], dim=-1)
+                # Greedy rows keep their processed logits (only their argmax is read).
+                greedy_rows = torch.tensor(meta.greedy, device=logits.device)[:, None]
+                target_probs = torch.where(greedy_rows, processed, torch.softmax(processed, dim=-1))
                 results = self.rejection_sampler.verify(
                     target_probs,
                     [s.draft_token_ids for s in sampling],
                     [s.draft_probs for s in sampling],
-                    [p.greedy for p in params],
+                    [s.request.sampling_params.greedy for s in sampling],
                     [s.request.generator for s in sampling],
                     self.generator,
                 )
+        logprobs = self._logprobs(sampling, results, processed)
         now = time.perf_counter()
         updated: list[Request] = []
         result_iter = iter(results)
@@ -264,7 +343,12 @@ class LLMEngine:
                 req.stats.first_token_time = now
             updated.append(req)
             finished = False
-            for token in result.token_ids:  # stop rules apply token by token inside the accepted run
+            token_logprobs = logprobs.get(req.request_id)
+            # Stop rules apply token by token inside the accepted run.
+            for i, token in enumerate(result.token_ids):
+                if token_logprobs is not None and req.logprobs is not None:
+                    req.logprobs.append(token_logprobs[i])
+                    req.cumulative_logprob += token_logprobs[i][token].logprob
                 if self.append_token(req, token):
                     finished = True
                     break
@@ -274,12 +358,73 @@ class LLMEngine:
                     self.drafter.on_verified(req, num_drafts, result.num_accepted)
         return updated
 
+    def _logprobs(
+        self, sampling: list[ScheduledRequest], results: list[VerifyResult], processed: torch.Tensor
+    ) -> dict[str, list[dict[int, Logprob]]]:
+        """Log-probabilities of every emitted token of the requests that asked for them: the token
+        emitted after j accepted drafts is scored under verification row j (whatever the drafter,
+        the emitted token follows the target's processed distribution there)."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        num_top: list[int] = []
+        owners: list[tuple[str, int]] = []
+        start = 0
+        for s, res in zip(sampling, results):
+            n = s.request.sampling_params.logprobs
+            if n is not None:
+                rows.extend(range(start, start + len(res.token_ids)))
+                tokens.extend(res.token_ids)
+                num_top.extend([n] * len(res.token_ids))
+                owners.append((s.request.request_id, len(res.token_ids)))
+            start += 1 + len(s.draft_token_ids)
+        if not rows:
+            return {}
+        flat = token_logprobs(processed[torch.tensor(rows, device=processed.device)], tokens, num_top)
+        out: dict[str, list[dict[int, Logprob]]] = {}
+        i = 0
+        for rid, n in owners:
+            out[rid] = flat[i : i + n]
+            i += n
+        return out
+
+    def _stop_string(self, req: Request) -> bool:
+        """Whether the newest token completed one of the request's stop strings (records which)."""
+        stops = req.sampling_params.stop_strings
+        if not stops or self.detokenize is None or req.num_output_tokens < req.sampling_params.min_tokens:
+            return False
+        text = self.detokenize(req.output_token_ids)
+        # Only occurrences that end in the newest token's text are new; search just before it.
+        prev_len = req.checked_text_len
+        req.checked_text_len = len(text)
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            idx = text.find(stop, max(0, prev_len - len(stop) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        req.stop_text_offset, req.stop_reason = best
+        return True
+
     def append_token(self, req: Request, token: int) -> bool:
-        """Append one token and apply the stop rules; returns True when the request finished."""
+        """Append one token and apply the stop rules; returns True when the request finished.
+
+        Raises:
+            RuntimeError: the request's grammar rejects the token (a bug: every row is masked).
+        """
         req.token_ids.append(token)
         params = req.sampling_params
         status = None
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            raise RuntimeError(f"request {req.request_id}: the grammar rejected emitted token {token}")
         if token in req.stop_ids:
+            status = RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+        elif self._stop_string(req) or (
+            req.grammar is not None
+            and grammar_complete(req.grammar, self.model_cfg.eos_token_ids, self.model_cfg.vocab_size)
+        ):
             status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH

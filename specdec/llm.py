@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sampling.beam_search import BeamSearchParams
 from sampling.params import SamplingParams
+from specdec.beam_search import BeamSearchOutput
+from specdec.beam_search import beam_search as run_beam_search
 from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_device, resolve_dtype
 from specdec.engine import LLMEngine
 from specdec.errors import InvalidRequestError
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from grammars.base import GrammarBackend
 
 Prompt = str | dict[str, Any]
 
@@ -87,6 +95,9 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = set(self.engine.model_cfg.eos_token_ids) | {self.tokenizer.eos_token_id}
             object.__setattr__(self.engine.model_cfg, "eos_token_ids", tuple(sorted(eos)))
+        if self.tokenizer is not None:
+            tokenizer = self.tokenizer
+            self.engine.detokenize = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ inputs
@@ -112,7 +123,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-    ) -> list[tuple[str | None, Request]]:
+    ) -> list[tuple[str | None, list[Request]]]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Iterable):
@@ -137,20 +148,73 @@ class LLM:
                 )
         # Validate everything first so that a bad prompt adds nothing.
         tokenized = [self._tokenize(p) for p in prompts]
+        if any(isinstance(sp, SamplingParams) and sp.grammar_spec is not None for sp in params):
+            self._grammar_backend()
         for (_, ids), sp in zip(tokenized, params):
             self.engine.validate(ids, sp)
-        return [
-            (text, self.engine.add_request(str(next(self._ids)), ids, sp))
-            for (text, ids), sp in zip(tokenized, params)
-        ]
+        # Compile every grammar now (cached by spec), so that a schema that cannot compile raises here.
+        backend = self.engine.grammar_backend
+        for spec in dict.fromkeys(sp.grammar_spec for sp in params if sp.grammar_spec is not None):
+            assert backend is not None
+            backend.compile(spec)
+        added = []
+        for (text, ids), sp in zip(tokenized, params):
+            rid = str(next(self._ids))
+            if sp.n == 1:
+                added.append((text, [self.engine.add_request(rid, ids, sp)]))
+                continue
+            samples = [self.engine.add_request(f"{rid}-{i}", ids, sample_params(sp, i)) for i in range(sp.n)]
+            added.append((text, samples))
+        return added
+
+    def _grammar_backend(self) -> GrammarBackend:
+        """The outlines-core backend for this tokenizer, made on first use (builds the vocabulary)."""
+        if self.engine.grammar_backend is None and self.tokenizer is not None:
+            from grammars.outlines_backend import OutlinesBackend
+
+            self.engine.grammar_backend = OutlinesBackend(
+                self.tokenizer, self.engine.model_cfg.vocab_size, self.engine.model_cfg.eos_token_ids
+            )
+        if self.engine.grammar_backend is None:
+            raise InvalidRequestError(
+                "json_schema / regex / choice need a tokenizer (skip_tokenizer_init=True)"
+            )
+        return self.engine.grammar_backend
 
     # ----------------------------------------------------------------- outputs
-    def _output(self, prompt: str | None, req: Request, delta: bool = False) -> RequestOutput:
+    def _completion(self, index: int, req: Request, delta: bool) -> CompletionOutput:
         ids = req.output_token_ids
-        text = str(self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer is not None else ""
+        text = ""
+        if self.tokenizer is not None:
+            text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
+            if req.stop_text_offset is not None:
+                text = text[: req.stop_text_offset]  # the stop string is not part of the text
         new = ids[req.num_streamed_tokens :] if delta else []
         if delta:
             req.num_streamed_tokens = len(ids)
+        schema = req.sampling_params.schema
+        schema_valid = None
+        if schema is not None and req.status.finished and self.tokenizer is not None:
+            from grammars.schema import validate_instance
+
+            schema_valid = validate_instance(text, schema)
+        return CompletionOutput(
+            index,
+            list(ids),
+            text,
+            req.finish_reason,
+            new,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+            cumulative_logprob=None if req.logprobs is None else req.cumulative_logprob,
+            stop_reason=req.stop_reason,
+            schema_valid=schema_valid,
+            error=req.error,
+        )
+
+    def _output(self, prompt: str | None, reqs: list[Request], delta: bool = False) -> RequestOutput:
+        """The prompt's output; its metrics are those of the first sample (``n`` > 1: see each)."""
+        req = reqs[0]
+        ids = req.output_token_ids
         s = req.stats
         end = s.finished_time
         metrics: dict[str, Any] = {
@@ -169,11 +233,11 @@ class LLM:
             for key in ("draft_time_s", "verify_time_s"):  # measured per step, not per request
                 metrics.pop(key)
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=req.request_id.split("-")[0],
             prompt=prompt,
             prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, list(ids), text, req.finish_reason, new)],
-            finished=req.status.finished,
+            outputs=[self._completion(i, r, delta) for i, r in enumerate(reqs)],
+            finished=all(r.status.finished for r in reqs),
             metrics=metrics,
         )
 
@@ -196,32 +260,37 @@ class LLM:
         added = self._add_all(prompts, sampling_params)
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        return [self._output(text, req) for text, req in added]
+        return [self._output(text, reqs) for text, reqs in added]
 
     def stream(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Like :meth:`generate`, but yields after every engine step, once per request that got new
-        tokens; ``outputs[0].new_token_ids`` holds the tokens added since its previous chunk."""
+        """Like :meth:`generate`, but yields after every engine step, once per prompt that got new
+        tokens; ``outputs[i].new_token_ids`` holds the tokens added since its previous chunk."""
         added = self._add_all(prompts, sampling_params)
-        texts = {req.request_id: text for text, req in added}
-        pending = {req.request_id: req for _, req in added}
+        groups = {reqs[0].request_id: (text, reqs) for text, reqs in added}
+        owner = {r.request_id: reqs[0].request_id for _, reqs in added for r in reqs}
+        pending = dict(groups)
         try:
             while pending and self.engine.has_unfinished_requests():
-                for req in self.engine.step():
-                    if req.request_id in texts:
-                        yield self._output(texts[req.request_id], req, delta=True)
-                for rid, req in list(pending.items()):
-                    if req.status.finished:
-                        del pending[rid]
-                        if req.status is RequestStatus.FINISHED_ABORTED:  # aborted between steps
-                            yield self._output(texts[rid], req, delta=True)
+                stepped = dict.fromkeys(
+                    owner[r.request_id] for r in self.engine.step() if r.request_id in owner
+                )
+                for gid in stepped:
+                    yield self._output(groups[gid][0], groups[gid][1], delta=True)
+                for gid, (text, reqs) in list(pending.items()):
+                    if all(r.status.finished for r in reqs):
+                        del pending[gid]
+                        aborted = any(r.status is RequestStatus.FINISHED_ABORTED for r in reqs)
+                        if aborted:  # aborted between steps: one final chunk
+                            yield self._output(text, reqs, delta=True)
         finally:
             # A consumer that stops iterating abandons its requests: free them.
-            for rid in pending:
-                self.engine.abort_request(rid)
+            for _, reqs in pending.values():
+                for r in reqs:
+                    self.engine.abort_request(r.request_id)
 
     def chat(
         self,
@@ -255,6 +324,40 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)
 
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, batched together, equal to transformers' ``generate(num_beams=W,
+        do_sample=False)``; see :mod:`specdec.beam_search` and ``sampling.beam_search.BeamSearchParams``.
+
+        Args:
+            prompts: a string, ``{"prompt_token_ids": [...]}``, or a list of them.
+            params: beam width, ``max_tokens``, length penalty, early stopping, sequences returned.
+
+        Returns:
+            One :class:`~specdec.beam_search.BeamSearchOutput` per prompt, in order, its ``sequences``
+            best score first.
+
+        Raises:
+            InvalidRequestError: a bad prompt or parameter, or the engine has unfinished requests (nothing
+                runs).
+            KVCacheExhaustedError: one prompt's beams cannot fit the KV pool even alone (nothing runs).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise InvalidRequestError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            )
+        tokenized = [self._tokenize(p) for p in prompts]
+        outputs = run_beam_search(self.engine, [ids for _, ids in tokenized], params)
+        for (text, _), out in zip(tokenized, outputs):
+            out.prompt = text
+            if self.tokenizer is not None:
+                for seq in out.sequences:
+                    seq.text = str(self.tokenizer.decode(seq.token_ids, skip_special_tokens=True))
+        return outputs
+
 
 def chat_token_ids(
     tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True
@@ -266,3 +369,13 @@ def chat_token_ids(
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters of sample ``index`` of a request with ``n`` > 1: ``n = 1``, and for a seeded
+    request a seed derived from ``(seed, index)`` (sample 0 keeps the seed itself)."""
+    seed = params.seed
+    if seed is not None and index > 0:
+        digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+        seed = int.from_bytes(digest, "little") >> 1
+    return dataclasses.replace(params, n=1, seed=seed)

@@ -151,3 +151,23 @@ class ModelRunner:
             inputs.logits_indices,
         )
         return logits
+
+    @torch.inference_mode()
+    def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy the K/V of whole blocks, in every layer: block ``dst_block_ids[i]`` becomes a copy of block
+        ``src_block_ids[i]`` (the copy-on-write of a forked sequence's partly filled last block).
+
+        Raises:
+            ValueError: the lists differ in length, or a destination is also a source or repeated.
+        """
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destinations")
+        if len(set(dst_block_ids)) != len(dst_block_ids) or set(dst_block_ids) & set(src_block_ids):
+            raise ValueError("destination blocks must be distinct and not among the sources")
+        if not src_block_ids:
+            return
+        src = torch.tensor(src_block_ids, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(dst_block_ids, dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sampling.logprobs import Logprob
+
 
 @dataclass
 class CompletionOutput:
@@ -17,6 +19,13 @@ class CompletionOutput:
         finish_reason: "stop" (EOS or a stop token), "length" (``max_tokens`` or ``max_model_len``),
             "abort", or None while running.
         new_token_ids: tokens added since the last streamed chunk (streaming only).
+        logprobs: with ``SamplingParams.logprobs`` set, per generated token a dict token id ->
+            :class:`~sampling.logprobs.Logprob` (the chosen token and the top N); else None.
+        cumulative_logprob: sum of the chosen tokens' log-probabilities (None without ``logprobs``).
+        stop_reason: the stop string or stop token id that ended generation (None for EOS or length).
+        schema_valid: with ``SamplingParams.json_schema``, whether the finished text parses and validates
+            with ``jsonschema`` (False also when ``max_tokens`` cut it short); else None.
+        error: why the engine aborted the request (e.g. its grammar failed to compile), else None.
     """
 
     index: int
@@ -24,6 +33,11 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
+    schema_valid: bool | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -34,7 +48,7 @@ class RequestOutput:
         request_id: the engine's id for the request.
         prompt: the prompt string, if one was given.
         prompt_token_ids: the prompt's token ids.
-        outputs: the generated sequences.
+        outputs: the generated sequences (``SamplingParams.n`` of them).
         finished: whether generation has ended.
         metrics: per-request figures: ``num_prompt_tokens``, ``num_generated_tokens``,
             ``num_cached_prompt_tokens`` (prefix-cache hits), ``num_preemptions``,

@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sampling.logprobs import Logprob
 from sampling.params import SamplingParams
 from specdec.metrics import SpecStats
+
+if TYPE_CHECKING:
+    from grammars.base import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +89,18 @@ class Request:
         self.drafter_state: Any = None
         #: Acceptance counters when speculative decoding is on.
         self.spec_stats: SpecStats | None = None
+        #: Per generated token, its log-probabilities (``sampling_params.logprobs`` set), and their sum.
+        self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        #: The stop string that ended the request, and where it starts in the decoded output text.
+        self.stop_reason: str | int | None = None
+        self.stop_text_offset: int | None = None
+        #: Length of the output text already searched for stop strings.
+        self.checked_text_len = 0
+        #: The request's grammar matcher (constrained decoding), fed exactly the committed output tokens.
+        self.grammar: Grammar | None = None
+        #: Why the request was aborted by the engine (e.g. its grammar failed to compile), if it was.
+        self.error: str | None = None
 
     @property
     def num_tokens(self) -> int:

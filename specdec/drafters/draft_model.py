@@ -12,15 +12,21 @@ KV of accepted drafts stays valid; the rest is simply overwritten later.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from sampling.processors import RowGroup, build_sampling_metadata, process_logits
 from sampling.sampler import sample_from_probs
 from specdec.drafters.base import DraftInput, DraftProposal
 from specdec.errors import InvalidRequestError
 from specdec.model_runner import ModelRunner, Segment, build_inputs
 from specdec.models.decoder import DecoderLM
 from specdec.request import Request
+from specdec.structured import grammar_complete
+
+if TYPE_CHECKING:
+    from grammars.base import Grammar
 
 
 @dataclass
@@ -55,6 +61,7 @@ class DraftModelDrafter:
                 f"({target_vocab_size}); draft and target must share a tokenizer"
             )
         self.runner = ModelRunner(model, num_blocks, block_size)
+        self.vocab_size = target_vocab_size
         self.block_size = block_size
         self.generator = generator
 
@@ -64,15 +71,32 @@ class DraftModelDrafter:
             request.drafter_state = _DraftKV()
         return request.drafter_state
 
-    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """One draft token per row, and the distribution it was drawn from (None when greedy)."""
-        tokens = logits.argmax(dim=-1).tolist()
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        drafts: list[list[int]],
+        bitmasks: list[torch.Tensor | None],
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One draft token per row, and the distribution it was drawn from (None when greedy).
+
+        Each row is processed exactly as the target's verification row for the same position
+        (:func:`sampling.processors.process_logits`, the prefix including the earlier drafts), so
+        ``draft_probs`` is the drafter's processed distribution. ``bitmasks``: per row the grammar's
+        packed token bitmask ``[1, ceil(V / 32)]`` after the earlier drafts, or None.
+        """
+        groups = [
+            RowGroup(r.sampling_params, r.token_ids, r.num_prompt_tokens, r.stop_ids, d, 1, m)
+            for r, d, m in zip(reqs, drafts, bitmasks)
+        ]
+        meta = build_sampling_metadata(groups, logits.shape[-1], logits.device)
+        processed = process_logits(logits, meta)
+        tokens = processed.argmax(dim=-1).tolist()
         probs: list[torch.Tensor | None] = [None] * len(reqs)
         random = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         if random:
             rows = torch.tensor(random, device=logits.device)
-            temps = torch.tensor([reqs[i].sampling_params.temperature for i in random], device=logits.device)
-            p = torch.softmax(logits[rows] / temps[:, None], dim=-1)
+            p = torch.softmax(processed[rows], dim=-1)
             drawn = sample_from_probs(p, [reqs[i].generator for i in random], self.generator).tolist()
             for j, i in enumerate(random):
                 tokens[i], probs[i] = drawn[j], p[j]
@@ -98,26 +122,74 @@ class DraftModelDrafter:
             return proposals
         logits = self.runner.execute(build_inputs(segments, self.block_size, self.runner.device))
         probs_rows: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
-        while drafting:
-            reqs = [batch[i].request for i in drafting]
-            tokens, probs = self._draw(logits, reqs)
-            for i, t, p in zip(drafting, tokens, probs):
-                proposals[i].token_ids.append(t)
-                if p is not None:
-                    probs_rows[i].append(p)
-            drafting = [i for i in drafting if len(proposals[i].token_ids) < batch[i].max_drafts]
-            if not drafting:
-                break
-            # 2. Feed each draft back: one token per request at the position after the last one.
-            segments = []
-            for i in drafting:
-                req, drafts = batch[i].request, proposals[i].token_ids
-                segments.append(Segment(req.block_ids, req.num_tokens + len(drafts) - 1, drafts[-1:], 1))
-            logits = self.runner.execute(build_inputs(segments, self.block_size, self.runner.device))
+        # Constrained requests: the grammar is advanced through the drafts to mask each draft row,
+        # then rolled back (only verification advances it for good).
+        advanced = {i: 0 for i in drafting if batch[i].request.grammar is not None}
+        try:
+            while drafting:
+                reqs = [batch[i].request for i in drafting]
+                bitmasks = [
+                    self._grammar_row(batch[i].request, proposals[i].token_ids, advanced, i) for i in drafting
+                ]
+                tokens, probs = self._draw(logits, reqs, [proposals[i].token_ids for i in drafting], bitmasks)
+                for i, t, p in zip(drafting, tokens, probs):
+                    proposals[i].token_ids.append(t)
+                    if p is not None:
+                        probs_rows[i].append(p)
+                drafting = [i for i in drafting if len(proposals[i].token_ids) < batch[i].max_drafts]
+                drafting = [
+                    i
+                    for i in drafting
+                    if not self._grammar_ended(batch[i].request, proposals[i].token_ids, advanced, i)
+                ]
+                if not drafting:
+                    break
+                # 2. Feed each draft back: one token per request at the position after the last one.
+                segments = []
+                for i in drafting:
+                    req, drafts = batch[i].request, proposals[i].token_ids
+                    segments.append(Segment(req.block_ids, req.num_tokens + len(drafts) - 1, drafts[-1:], 1))
+                logits = self.runner.execute(build_inputs(segments, self.block_size, self.runner.device))
+        finally:
+            for i, n in advanced.items():
+                grammar = batch[i].request.grammar
+                assert grammar is not None
+                grammar.rollback(n)
         for i, rows in probs_rows.items():
             if rows:
                 proposals[i].draft_probs = torch.stack(rows)
         return proposals
+
+    def _grammar_row(
+        self, req: Request, drafts: list[int], advanced: dict[int, int], i: int
+    ) -> torch.Tensor | None:
+        """The grammar's bitmask ``[1, ceil(V / 32)]`` after ``drafts`` (advancing it), or None."""
+        grammar = req.grammar
+        if grammar is None:
+            return None
+        from grammars.bitmask import allocate_token_bitmask
+
+        self._advance(grammar, drafts, advanced, i)
+        bitmask = allocate_token_bitmask(1, self.vocab_size)
+        grammar.fill_bitmask(bitmask, 0)
+        return bitmask
+
+    @staticmethod
+    def _advance(grammar: Grammar, drafts: list[int], advanced: dict[int, int], i: int) -> bool:
+        while advanced[i] < len(drafts):
+            if not grammar.accept_token(drafts[advanced[i]]):
+                return False
+            advanced[i] += 1
+        return True
+
+    def _grammar_ended(self, req: Request, drafts: list[int], advanced: dict[int, int], i: int) -> bool:
+        """Stop drafting once the drafts complete (or break) the request's grammar."""
+        grammar = req.grammar
+        if grammar is None:
+            return False
+        if not self._advance(grammar, drafts, advanced, i):
+            return True
+        return grammar_complete(grammar, req.stop_ids, self.vocab_size)
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Accepted drafts that were fed to the draft model keep their KV (the last draft never was)."""

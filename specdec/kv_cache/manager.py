@@ -139,3 +139,45 @@ class KVCacheManager:
         request.block_ids = []
         request.num_cached_blocks = 0
         request.num_computed_tokens = 0
+
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]]:
+        """Give ``child`` the KV of ``parent``'s computed tokens (a beam continuing another beam).
+
+        The child's block table references the parent's full blocks (reference counts incremented; full
+        blocks are never written again, so sharing them is safe). The partly filled last block, if any, is
+        copy-on-write: the child gets a fresh block, and the caller must copy the K/V of the returned
+        ``(src_block_id, dst_block_id)`` pair in every layer (``ModelRunner.copy_blocks``) before the next
+        forward writes into either block. The child's ``num_computed_tokens`` becomes the parent's; its
+        ``token_ids`` are the caller's to set (the parent's committed tokens, then its own).
+
+        Args:
+            parent: a sequence whose first ``num_computed_tokens`` tokens have K/V in its block table.
+            child: a sequence holding no blocks.
+
+        Returns:
+            The blocks to copy: ``[]`` when the parent's computed tokens end on a block boundary, else one
+            ``(parent's last block, child's new last block)`` pair.
+
+        Raises:
+            ValueError: the child already holds blocks.
+            RuntimeError: no free block for the copy (callers reserve capacity first).
+        """
+        if child.block_ids:
+            raise ValueError(f"fork into a sequence that already holds {len(child.block_ids)} blocks")
+        bs = self.block_size
+        num_computed = parent.num_computed_tokens
+        num_full, partial = divmod(num_computed, bs)
+        shared = parent.block_ids[:num_full]
+        if partial and self.pool.num_free_blocks < 1:
+            raise RuntimeError("no free KV block for the copy-on-write of a forked partial block")
+        self.pool.touch(shared)
+        child.block_ids = list(shared)
+        copies: list[tuple[int, int]] = []
+        if partial:
+            (dst,) = self.pool.allocate(1)
+            child.block_ids.append(dst)
+            copies.append((parent.block_ids[num_full], dst))
+        child.num_computed_tokens = num_computed
+        child.block_hashes = parent.block_hashes[:num_full]
+        child.num_cached_blocks = min(parent.num_cached_blocks, num_full)
+        return copies
