@@ -1,5 +1,8 @@
 """Plain (non-speculative) decoding benchmark: our engine vs transformers ``generate``.
 
+Kept for the figures quoted in the README; ``python -m experiments.bench methods=[plain]
+transformers_static_batch=[16] ignore_eos=true`` measures the same with Hydra configs and provenance.
+
 Same model, prompts, dtype and process. Reports tokens/s at batch 1, our throughput at 4 and 16
 concurrent requests against transformers' static batch of 16, and the memory-bandwidth floor: the
 weight bytes a decode step must read ÷ this machine's measured read bandwidth.
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from experiments.bench import hf_static_batch, measure_read_bandwidth
+
 PROMPTS = [
     "Explain what a hash table is and when to use one.",
     "Write a short story about a lighthouse keeper.",
@@ -28,18 +33,6 @@ PROMPTS = [
 ]
 
 
-def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Best-of-N streaming read bandwidth in bytes/s: ``torch.sum`` over a ``num_bytes`` float32 tensor."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return num_bytes / best
-
-
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     from specdec.llm import chat_token_ids
 
@@ -50,22 +43,10 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def bench_hf(hf_model, prompts: list[list[int]], max_tokens: int, pad_id: int) -> float:
     """transformers greedy ``generate`` on a static (left-padded) batch; returns generated tokens/s."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id)
-    with torch.no_grad():
-        hf_model.generate(
-            ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=pad_id
-        )  # warm-up
-        t = time.perf_counter()
-        out = hf_model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs)
-        elapsed = time.perf_counter() - t
-    assert out.shape[1] - width == max_tokens
-    return len(prompts) * max_tokens / elapsed
+    hf_static_batch(hf_model, [p[:8] for p in prompts], 4, pad_id, ignore_eos=False)  # warm-up
+    tokens, elapsed = hf_static_batch(hf_model, prompts, max_tokens, pad_id, ignore_eos=True)
+    assert tokens == len(prompts) * max_tokens
+    return tokens / elapsed
 
 
 def bench_ours(llm, prompts: list[list[int]], max_tokens: int) -> float:

@@ -12,6 +12,9 @@ counters, transformers' as tokens after the first ÷ the target model's forward 
 and our wall-clock ratio to transformers.
 
     python -m experiments.bench_spec --rows ngram,draft_model --max-tokens 128
+
+Kept for the figures quoted in the README; ``python -m experiments.bench`` measures the same rows (and
+concurrency and the bandwidth floor) from Hydra configs.
 """
 
 from __future__ import annotations
@@ -24,33 +27,9 @@ from typing import Any
 
 import torch
 
+from experiments.bench import ForwardCounter, hf_generate
+
 DEFAULT_HUMANEVAL = "../shared/humaneval/HumanEval.jsonl.gz"
-
-
-class ForwardCounter:
-    """Counts a transformers model's forward calls (each verification or decode step is one)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.calls = 0
-        model.register_forward_hook(self._hook)
-
-    def _hook(self, *args: Any) -> None:
-        self.calls += 1
-
-
-def hf_generate(
-    model, prompt: list[int], max_tokens: int, counter: ForwardCounter, **kwargs: Any
-) -> tuple[list[int], float, int]:
-    """Greedy ``generate``; returns (new tokens, seconds, target forwards after the prefill)."""
-    ids = torch.tensor([prompt])
-    counter.calls = 0
-    t = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, **kwargs
-        )
-    elapsed = time.perf_counter() - t
-    return out[0, len(prompt) :].tolist(), elapsed, max(counter.calls - 1, 1)
 
 
 def run_row(

@@ -1,15 +1,24 @@
 """Typed experiment configuration: the schemas behind ``experiments/conf/``.
 
-Every config group has one dataclass per option (``drafter/ngram.yaml`` is checked against
+Config groups mirror the code: ``model/`` (:class:`ModelConfig`), ``drafter/`` (none, ngram,
+draft_model: ``specdec.LLM``'s ``speculative_config``), ``sampling/`` (:class:`SamplingConfig`) and
+``grammar/`` (none, json_schema, regex, choice: fields of ``sampling.SamplingParams``), ``dataset/``
+(builtin, jsonl, humaneval, synthetic), ``engine/`` (the other arguments of ``specdec.LLM``: dtype,
+device, KV blocks, prefix caching, batch limits), ``logger/`` (none, wandb); ``experiment/`` holds named
+deltas and ``sweep/`` sweep presets (both ``# @package _global_``, checked against the primary schema).
+
+Every group option has one dataclass (``drafter/ngram.yaml`` is checked against
 :class:`NgramDrafterConfig`, and so on); :func:`register_configs` stores them in Hydra's ConfigStore so
-that a misspelt key or a value of the wrong type fails while Hydra composes the config, before any model
-loads. :func:`to_experiment_config` turns the composed ``DictConfig`` into plain dataclasses and runs the
-cross-field checks (:func:`validate_config`); library code only ever sees those dataclasses.
+that a misspelt key or a value of the wrong type fails while Hydra composes the config, naming the key,
+before any model loads. :func:`to_experiment_config` (:func:`to_bench_config` for ``conf/bench.yaml``)
+turns the composed ``DictConfig`` into plain dataclasses and runs the cross-field checks
+(:func:`validate_config`); library code only ever sees those dataclasses.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -30,6 +39,7 @@ class Dtype(str, Enum):
 
     float32 = "float32"
     bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -40,7 +50,8 @@ class ModelConfig:
     Attributes:
         name: a zoo name (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``,
             ``qwen2.5-coder-1.5b-instruct``) or a local HF-format directory.
-        dtype: ``float32`` or ``bfloat16``.
+        dtype: ``float32``, ``bfloat16`` or ``float16``: the dtype this model runs in unless
+            ``engine.dtype`` says otherwise.
     """
 
     name: str = MISSING
@@ -175,6 +186,29 @@ class HumanEvalDatasetConfig(DatasetConfig):
     limit: int | None = 12
 
 
+# ----------------------------------------------------------------------------------------- dataset
+@dataclass
+class SyntheticDatasetConfig(DatasetConfig):
+    """Token-id prompts drawn at random (no tokenizer needed): half of them a short random pattern
+    repeated (category ``repeat``, where prompt lookup pays off), half uniform noise (``random``).
+
+    Attributes:
+        prompt_len: tokens per prompt.
+        pattern_len: length of the repeated pattern of ``repeat`` prompts.
+        vocab_size: token ids are drawn from ``[low_token, vocab_size)``; at most the model's vocabulary.
+        low_token: smallest token id drawn (keeps BOS/EOS/PAD, usually the first ids, out of prompts).
+        seed: seeds the draw.
+    """
+
+    name: str = "synthetic"
+    limit: int | None = 4
+    prompt_len: int = 32
+    pattern_len: int = 6
+    vocab_size: int = 128
+    low_token: int = 3
+    seed: int = 0
+
+
 # ---------------------------------------------------------------------------------------- sampling
 @dataclass
 class SamplingConfig:
@@ -185,6 +219,8 @@ class SamplingConfig:
         seed: per-request seed; prompt ``i`` uses ``seed + i`` (None: the engine's generator).
         top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty: as in
             :class:`sampling.SamplingParams` (defaults: off).
+        ignore_eos: generate ``max_tokens`` tokens whatever the model says (throughput runs, random
+            test models).
     """
 
     temperature: float = 0.0
@@ -195,6 +231,162 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+
+# ----------------------------------------------------------------------------------------- grammar
+@dataclass
+class GrammarConfig:
+    """Base of the constrained-decoding options; ``kind`` names the option. Each maps onto the
+    ``json_schema`` / ``regex`` / ``choice`` fields of :class:`sampling.SamplingParams`."""
+
+    kind: str = MISSING
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``SamplingParams`` (empty: unconstrained)."""
+        raise NotImplementedError
+
+
+@dataclass
+class NoGrammarConfig(GrammarConfig):
+    """Unconstrained decoding."""
+
+    kind: str = "none"
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Nothing: unconstrained."""
+        return {}
+
+
+@dataclass
+class JsonSchemaGrammarConfig(GrammarConfig):
+    """Output is JSON valid under ``json_schema``.
+
+    Attributes:
+        json_schema: the JSON schema (a mapping).
+        strict: raise when the schema uses keywords the grammar cannot enforce (else warn).
+    """
+
+    kind: str = "json_schema"
+    json_schema: dict[str, Any] = MISSING
+    strict: bool = False
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """``json_schema`` and ``strict``."""
+        return {"json_schema": dict(self.json_schema), "strict": self.strict}
+
+
+@dataclass
+class RegexGrammarConfig(GrammarConfig):
+    """Output is a full match of ``regex``."""
+
+    kind: str = "regex"
+    regex: str = MISSING
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """``regex``."""
+        return {"regex": self.regex}
+
+
+@dataclass
+class ChoiceGrammarConfig(GrammarConfig):
+    """Output is exactly one of ``choice``."""
+
+    kind: str = "choice"
+    choice: list[str] = MISSING
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """``choice``."""
+        return {"choice": list(self.choice)}
+
+
+# ------------------------------------------------------------------------------------------ engine
+@dataclass
+class EngineConfig:
+    """Arguments of ``specdec.LLM`` besides the model and the drafter.
+
+    Attributes:
+        dtype: weights, activations and KV cache; None: ``model.dtype`` (the model's own default).
+        device: ``cpu``, ``cuda``, ``cuda:1``...; None: in a Ray job, CUDA when Ray granted it GPUs
+            (``hydra.launcher.ray.remote.num_gpus``) else the CPU; elsewhere CUDA when available.
+        block_size: tokens per KV block.
+        num_kv_blocks: blocks in the KV pool (None: sized from ``kv_cache_memory_bytes``).
+        enable_prefix_caching: share the KV blocks of equal prompt prefixes.
+        kv_cache_memory_bytes: KV pool budget when ``num_kv_blocks`` is None.
+        max_num_batched_tokens: token budget of one forward.
+        max_num_seqs: most requests running at once.
+        max_model_len: longest sequence (None: the model's).
+        torch_threads: ``torch.set_num_threads`` for the job (None: torch's default, which under Ray is
+            the task's ``num_cpus``).
+    """
+
+    dtype: Dtype | None = None
+    device: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    torch_threads: int | None = None
+
+    def llm_kwargs(self, model: ModelConfig) -> dict[str, Any]:
+        """Keyword arguments of ``specdec.LLM`` (the device still unresolved: see
+        :func:`experiments.tracking.pick_device`)."""
+        return {
+            "dtype": (self.dtype or model.dtype).value,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len,
+        }
+
+
+# ------------------------------------------------------------------------------------------ logger
+@dataclass
+class LoggerConfig:
+    """Base of the experiment-tracking options; ``name`` names the option."""
+
+    name: str = MISSING
+
+
+@dataclass
+class NoLoggerConfig(LoggerConfig):
+    """No tracking: nothing but the run directory's own files is written."""
+
+    name: str = "none"
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    """Weights & Biases.
+
+    Attributes:
+        project, entity: where the run goes (entity None: the user's default).
+        mode: ``offline`` (written under the run directory, ``wandb sync`` it later), ``online`` or
+            ``disabled``; None: ``$WANDB_MODE`` when set, else ``offline`` (no network needed).
+        group: groups runs (None: the sweep directory in a multirun, else no group).
+        run_name: the run's name (None: the job's overrides in a multirun, else wandb's).
+        tags: run tags.
+        log_plots: log the run's figures as images.
+    """
+
+    name: str = "wandb"
+    project: str = "specdec"
+    entity: str | None = None
+    mode: str | None = None
+    group: str | None = None
+    run_name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    log_plots: bool = True
+
+    def resolved_mode(self) -> str:
+        """``mode``, else ``$WANDB_MODE``, else ``offline``."""
+        return self.mode or os.environ.get("WANDB_MODE") or "offline"
 
 
 # -------------------------------------------------------------------------------------- experiment
@@ -205,20 +397,95 @@ class ExperimentConfig:
     Attributes:
         max_tokens: most new tokens per prompt.
         seed: the engine seed (``specdec.LLM(seed=...)``) and ``torch.manual_seed``.
-        device: None picks CUDA when available, else the CPU.
+        plots: write the run's figures (per-position and per-category acceptance) to ``plots/``.
     """
 
     model: ModelConfig = MISSING
     drafter: DrafterConfig = MISSING
     dataset: DatasetConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grammar: GrammarConfig = MISSING
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    logger: LoggerConfig = MISSING
     max_tokens: int = 128
     seed: int = 0
-    device: str | None = None
+    plots: bool = True
+
+
+# ------------------------------------------------------------------------------------------- bench
+#: The draft model ``experiments.bench`` pairs with a target when ``draft_model`` is not given.
+DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
+BENCH_METHODS = ("plain", "ngram", "draft_model")
+BENCH_SYSTEMS = ("specdec", "transformers")
+
+
+@dataclass
+class BenchConfig:
+    """``python -m experiments.bench``: specdec against transformers ``generate``, same model, prompts,
+    dtype and ``max_tokens``, one process.
+
+    Attributes:
+        methods: any of ``plain``, ``ngram`` (transformers: ``prompt_lookup_num_tokens``) and
+            ``draft_model`` (transformers: ``assistant_model``).
+        systems: ``specdec`` and/or ``transformers``.
+        num_speculative_tokens: k of both systems (transformers' assistant with a constant schedule).
+        prompt_lookup_max, prompt_lookup_min: n-gram window (``prompt_lookup_max`` is transformers'
+            ``max_matching_ngram_size``; transformers always goes down to 1).
+        draft_model: draft model of ``draft_model`` (None: the zoo's pair of the target).
+        max_tokens: most new tokens per prompt.
+        concurrency: specdec's concurrent requests (1: each prompt alone, timed one by one); prompts are
+            reused round-robin to fill a batch.
+        transformers_static_batch: also time transformers' plain ``generate`` on left-padded static
+            batches of these sizes.
+        ignore_eos: generate exactly ``max_tokens`` per prompt (transformers: ``min_new_tokens``, which
+            masks EOS rather than ignoring it, so outputs may differ from specdec's after an EOS).
+        bandwidth_bytes: size of the tensor the read-bandwidth probe sums (the floor's denominator).
+        seed: engine seed and ``torch.manual_seed``.
+    """
+
+    model: ModelConfig = MISSING
+    dataset: DatasetConfig = MISSING
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    logger: LoggerConfig = MISSING
+    methods: list[str] = field(default_factory=lambda: ["plain", "ngram"])
+    systems: list[str] = field(default_factory=lambda: list(BENCH_SYSTEMS))
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    draft_model: str | None = None
+    max_tokens: int = 128
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
+    transformers_static_batch: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    bandwidth_bytes: int = 1 << 30
+    seed: int = 0
+
+    def resolved_draft_model(self) -> str | None:
+        """``draft_model``, else the zoo's draft model of the target (None when it has none)."""
+        return self.draft_model or DEFAULT_DRAFT_MODELS.get(self.model.name)
+
+    def speculative_config(self, method: str) -> dict[str, Any] | None:
+        """``specdec.LLM``'s ``speculative_config`` of a method (None: plain)."""
+        k = self.num_speculative_tokens
+        if method == "ngram":
+            return {
+                "method": "ngram",
+                "num_speculative_tokens": k,
+                "prompt_lookup_max": self.prompt_lookup_max,
+                "prompt_lookup_min": self.prompt_lookup_min,
+            }
+        if method == "draft_model":
+            return {
+                "method": "draft_model",
+                "model": self.resolved_draft_model(),
+                "num_speculative_tokens": k,
+            }
+        return None
 
 
 SCHEMAS: dict[tuple[str | None, str], type] = {
     (None, "experiment_schema"): ExperimentConfig,
+    (None, "bench_schema"): BenchConfig,
     ("model", "model_schema"): ModelConfig,
     ("drafter", "none_schema"): NoDrafterConfig,
     ("drafter", "ngram_schema"): NgramDrafterConfig,
@@ -226,15 +493,25 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
     ("dataset", "builtin_schema"): BuiltinDatasetConfig,
     ("dataset", "jsonl_schema"): JsonlDatasetConfig,
     ("dataset", "humaneval_schema"): HumanEvalDatasetConfig,
+    ("dataset", "synthetic_schema"): SyntheticDatasetConfig,
     ("sampling", "sampling_schema"): SamplingConfig,
+    ("grammar", "none_schema"): NoGrammarConfig,
+    ("grammar", "json_schema_schema"): JsonSchemaGrammarConfig,
+    ("grammar", "regex_schema"): RegexGrammarConfig,
+    ("grammar", "choice_schema"): ChoiceGrammarConfig,
+    ("engine", "engine_schema"): EngineConfig,
+    ("logger", "none_schema"): NoLoggerConfig,
+    ("logger", "wandb_schema"): WandbLoggerConfig,
 }
 
 
 def register_configs() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent).
 
-    ``conf/config.yaml`` starts from ``experiment_schema``; each group option starts from its own
-    ``<option>_schema`` (e.g. ``drafter/ngram.yaml`` lists ``ngram_schema`` in its defaults).
+    ``conf/config.yaml`` starts from ``experiment_schema`` (``conf/bench.yaml`` from ``bench_schema``);
+    each group option starts from its own ``<option>_schema`` (e.g. ``drafter/ngram.yaml`` lists
+    ``ngram_schema`` in its defaults), so a misspelt key or a value of the wrong type fails while Hydra
+    composes the config, naming the key.
     """
     from hydra.core.config_store import ConfigStore
 
@@ -255,13 +532,93 @@ def _vocab_size(model: str) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _check_same_vocabulary(target: str, draft: str, draft_key: str, target_key: str = "model") -> None:
+    """Raise ``ValueError`` when a draft model's tokenizer differs from the target's (zoo families or
+    local ``config.json`` vocabulary sizes)."""
+    target_family = ZOO_FAMILIES.get(target)
+    draft_family = ZOO_FAMILIES.get(draft)
+    mismatch = target_family is not None and draft_family is not None and target_family != draft_family
+    if not mismatch:
+        target_vocab, draft_vocab = _vocab_size(target), _vocab_size(draft)
+        mismatch = target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab
+    if mismatch:
+        same = sorted(n for n, f in ZOO_FAMILIES.items() if f == draft_family and n != draft)
+        hint = f" e.g. model={same[-1]}" if same else ""
+        raise ValueError(
+            f"drafter=draft_model: the draft model's vocabulary must match the target's, but "
+            f"{draft_key}={draft} and {target_key}={target} use different tokenizers. "
+            f"Pick a target of the draft model's family,{hint} (or set {draft_key} to a "
+            "model sharing the target's tokenizer)."
+        )
+
+
+def _check_engine(e: EngineConfig) -> None:
+    from specdec.config import CacheConfig, SchedulerConfig
+
+    try:
+        CacheConfig(e.block_size, e.num_kv_blocks, e.enable_prefix_caching, e.kv_cache_memory_bytes)
+        SchedulerConfig(e.max_num_batched_tokens, e.max_num_seqs, e.max_model_len)
+    except ValueError as err:
+        raise ValueError(f"engine.{err}") from None
+    if e.torch_threads is not None and e.torch_threads < 1:
+        raise ValueError(f"engine.torch_threads must be >= 1 or null, got {e.torch_threads}")
+    if e.device is not None:
+        import torch
+
+        try:
+            torch.device(e.device)
+        except (RuntimeError, ValueError):
+            raise ValueError(
+                f"engine.device must be a torch device (cpu, cuda, cuda:1...), got {e.device!r}"
+            ) from None
+
+
+def _check_logger(lg: LoggerConfig) -> None:
+    if isinstance(lg, WandbLoggerConfig) and lg.mode not in (None, "offline", "online", "disabled"):
+        raise ValueError(f"logger.mode must be offline, online, disabled or null, got {lg.mode!r}")
+
+
+def _check_dataset(d: DatasetConfig) -> None:
+    if d.limit is not None and d.limit < 1:
+        raise ValueError(f"dataset.limit must be >= 1 or null, got {d.limit}")
+    if isinstance(d, SyntheticDatasetConfig):
+        if d.prompt_len < 1 or d.pattern_len < 1:
+            raise ValueError(
+                "dataset.prompt_len and dataset.pattern_len must be >= 1, got "
+                f"{d.prompt_len} and {d.pattern_len}"
+            )
+        if not 0 <= d.low_token < d.vocab_size:
+            raise ValueError(
+                f"need 0 <= dataset.low_token < dataset.vocab_size, got {d.low_token} and {d.vocab_size}"
+            )
+
+
+def sampling_params_kwargs(s: SamplingConfig, g: GrammarConfig) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments of the sampling and grammar options (no ``max_tokens``,
+    no ``seed``)."""
+    return {
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "repetition_penalty": s.repetition_penalty,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "ignore_eos": s.ignore_eos,
+        **g.sampling_kwargs(),
+    }
+
+
 def validate_config(cfg: ExperimentConfig) -> None:
     """Cross-field checks that a schema cannot express; cheap, and run before any model loads.
 
+    Every message starts with the offending key (``drafter.num_speculative_tokens must be ...``,
+    ``sampling: top_p must be ...``, ``engine.block_size must be ...``).
+
     Raises:
         ValueError: a non-positive ``max_tokens``/``limit``/``num_speculative_tokens``, an invalid
-            n-gram window, a negative temperature, or a draft model whose vocabulary differs from
-            the target's.
+            n-gram window, a sampling or grammar value ``SamplingParams`` rejects, an engine value
+            ``specdec.LLM`` would reject, or a draft model whose vocabulary differs from the target's.
     """
     if cfg.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {cfg.max_tokens}")
@@ -269,21 +626,17 @@ def validate_config(cfg: ExperimentConfig) -> None:
         raise ValueError(f"sampling.temperature must be >= 0, got {cfg.sampling.temperature}")
     from sampling.params import SamplingParams
 
-    s = cfg.sampling
     try:
-        SamplingParams(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-        )
+        SamplingParams(**sampling_params_kwargs(cfg.sampling, NoGrammarConfig()))
     except ValueError as e:
         raise ValueError(f"sampling: {e}") from None
-    if cfg.dataset.limit is not None and cfg.dataset.limit < 1:
-        raise ValueError(f"dataset.limit must be >= 1 or null, got {cfg.dataset.limit}")
+    try:
+        SamplingParams(**sampling_params_kwargs(SamplingConfig(), cfg.grammar))
+    except ValueError as e:
+        raise ValueError(f"grammar ({cfg.grammar.kind}): {e}") from None
+    _check_dataset(cfg.dataset)
+    _check_engine(cfg.engine)
+    _check_logger(cfg.logger)
     d = cfg.drafter
     if isinstance(d, (NgramDrafterConfig, DraftModelDrafterConfig)) and d.num_speculative_tokens < 1:
         raise ValueError(f"drafter.num_speculative_tokens must be >= 1, got {d.num_speculative_tokens}")
@@ -292,22 +645,74 @@ def validate_config(cfg: ExperimentConfig) -> None:
             "need 1 <= drafter.prompt_lookup_min <= drafter.prompt_lookup_max, got "
             f"{d.prompt_lookup_min} and {d.prompt_lookup_max}"
         )
+    spec = d.speculative_config()
+    if spec is not None:
+        from specdec.config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.from_any(spec)
+        except ValueError as e:
+            raise ValueError(f"drafter.{e}") from None
     if isinstance(d, DraftModelDrafterConfig):
-        target_family = ZOO_FAMILIES.get(cfg.model.name)
-        draft_family = ZOO_FAMILIES.get(d.model)
-        mismatch = target_family is not None and draft_family is not None and target_family != draft_family
-        if not mismatch:
-            target_vocab, draft_vocab = _vocab_size(cfg.model.name), _vocab_size(d.model)
-            mismatch = target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab
-        if mismatch:
-            same = sorted(n for n, f in ZOO_FAMILIES.items() if f == draft_family and n != d.model)
-            hint = f" e.g. model={same[-1]}" if same else ""
+        _check_same_vocabulary(cfg.model.name, d.model, "drafter.model")
+
+
+def validate_bench_config(cfg: BenchConfig) -> None:
+    """The checks of :func:`validate_config` for ``experiments.bench``.
+
+    Raises:
+        ValueError: an unknown method or system, a non-positive count, a missing or mismatched draft
+            model, or an engine value ``specdec.LLM`` would reject.
+    """
+    unknown = [m for m in cfg.methods if m not in BENCH_METHODS]
+    if unknown or not cfg.methods:
+        raise ValueError(f"methods must be a non-empty subset of {list(BENCH_METHODS)}, got {cfg.methods}")
+    unknown = [s for s in cfg.systems if s not in BENCH_SYSTEMS]
+    if unknown or not cfg.systems:
+        raise ValueError(f"systems must be a non-empty subset of {list(BENCH_SYSTEMS)}, got {cfg.systems}")
+    if cfg.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {cfg.max_tokens}")
+    if not cfg.concurrency or any(c < 1 for c in cfg.concurrency):
+        raise ValueError(f"concurrency must list integers >= 1, got {cfg.concurrency}")
+    if any(b < 1 for b in cfg.transformers_static_batch):
+        raise ValueError(
+            f"transformers_static_batch must list integers >= 1, got {cfg.transformers_static_batch}"
+        )
+    if cfg.bandwidth_bytes < 4096:
+        raise ValueError(f"bandwidth_bytes must be >= 4096, got {cfg.bandwidth_bytes}")
+    _check_dataset(cfg.dataset)
+    _check_engine(cfg.engine)
+    _check_logger(cfg.logger)
+    from specdec.config import SpeculativeConfig
+
+    for method in cfg.methods:
+        if method == "draft_model" and cfg.resolved_draft_model() is None:
             raise ValueError(
-                f"drafter=draft_model: the draft model's vocabulary must match the target's, but "
-                f"drafter.model={d.model} and model={cfg.model.name} use different tokenizers. "
-                f"Pick a target of the draft model's family,{hint} (or set drafter.model to a "
-                "model sharing the target's tokenizer)."
+                f"methods has draft_model but model={cfg.model.name} has no default draft model: set "
+                f"draft_model=<zoo name or directory> (zoo pairs: {DEFAULT_DRAFT_MODELS})"
             )
+        spec = cfg.speculative_config(method)
+        if spec is not None:
+            try:
+                SpeculativeConfig.from_any(spec)
+            except ValueError as e:
+                key = "num_speculative_tokens" if "num_speculative_tokens" in str(e) else "method"
+                raise ValueError(f"{key}: {e}") from None
+    if "draft_model" in cfg.methods:
+        draft = cfg.resolved_draft_model()
+        assert draft is not None
+        _check_same_vocabulary(cfg.model.name, draft, "draft_model")
+
+
+def _to_object(cfg: DictConfig, schema: type, name: str) -> Any:
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, schema):
+        raise TypeError(
+            f"expected a config composed from {name!r}, got {type(obj).__name__}; "
+            f"list {name!r} first in the defaults of the primary config"
+        )
+    _reject_extra_keys(obj, "")
+    return obj
 
 
 def to_experiment_config(cfg: DictConfig) -> ExperimentConfig:
@@ -318,14 +723,20 @@ def to_experiment_config(cfg: DictConfig) -> ExperimentConfig:
         TypeError: the config was not composed from ``experiment_schema``.
         ValueError: see :func:`validate_config`.
     """
-    obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, ExperimentConfig):
-        raise TypeError(
-            f"expected a config composed from 'experiment_schema', got {type(obj).__name__}; "
-            "list 'experiment_schema' first in the defaults of config.yaml"
-        )
-    _reject_extra_keys(obj, "")
+    obj: ExperimentConfig = _to_object(cfg, ExperimentConfig, "experiment_schema")
     validate_config(obj)
+    return obj
+
+
+def to_bench_config(cfg: DictConfig) -> BenchConfig:
+    """Convert a composed ``conf/bench.yaml`` into a validated :class:`BenchConfig`.
+
+    Raises:
+        TypeError: the config was not composed from ``bench_schema``.
+        ValueError: see :func:`validate_bench_config`.
+    """
+    obj: BenchConfig = _to_object(cfg, BenchConfig, "bench_schema")
+    validate_bench_config(obj)
     return obj
 
 
@@ -347,8 +758,8 @@ def _reject_extra_keys(obj: Any, prefix: str) -> None:
         _reject_extra_keys(getattr(obj, name), f"{prefix}{name}.")
 
 
-def config_to_dict(cfg: ExperimentConfig) -> dict[str, Any]:
-    """A JSON-ready dict of the resolved config (enums become their values)."""
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready dict of a config dataclass (enums become their values)."""
     from dataclasses import asdict
 
     def plain(v: Any) -> Any:

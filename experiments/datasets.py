@@ -9,6 +9,7 @@ target's chat template.
   the prompt, which is where n-gram (prompt-lookup) drafting pays off.
 - ``jsonl``: Spec-Bench's ``question.jsonl``; the first turn of each question.
 - ``humaneval``: HumanEval's ``.jsonl.gz``; "Complete the following Python function".
+- ``synthetic``: token-id prompts (no tokenizer, no text): a repeated random pattern or uniform noise.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from experiments.config import (
     DatasetConfig,
     HumanEvalDatasetConfig,
     JsonlDatasetConfig,
+    SyntheticDatasetConfig,
 )
 
 
@@ -42,11 +44,13 @@ class Prompt:
         id: unique within its set (e.g. ``type_hints/heapq.merge``, a Spec-Bench ``question_id``).
         category: the per-category tables group by it.
         messages: chat messages (``{"role": "user", "content": ...}``).
+        token_ids: the prompt as token ids, used as is (no chat template) when set.
     """
 
     id: str
     category: str
     messages: list[dict[str, str]] = field(default_factory=list)
+    token_ids: list[int] | None = None
 
     @property
     def text(self) -> str:
@@ -71,6 +75,8 @@ def load_prompts(cfg: DatasetConfig) -> list[Prompt]:
         return load_jsonl(cfg.path, cfg.limit, cfg.categories)
     if isinstance(cfg, HumanEvalDatasetConfig):
         return load_humaneval(cfg.path, cfg.limit)
+    if isinstance(cfg, SyntheticDatasetConfig):
+        return load_synthetic(cfg)
     raise ValueError(f"unknown dataset config {type(cfg).__name__} (name={cfg.name!r})")
 
 
@@ -99,6 +105,26 @@ def round_robin(prompts: Iterable[Prompt]) -> list[Prompt]:
     for i in range(depth):
         out.extend(g[i] for g in groups.values() if i < len(g))
     return out
+
+
+# -------------------------------------------------------------------------------------- synthetic
+def load_synthetic(cfg: SyntheticDatasetConfig) -> list[Prompt]:
+    """``cfg.limit`` token-id prompts of ``cfg.prompt_len`` tokens, alternating between categories
+    ``repeat`` (a random pattern of ``pattern_len`` tokens, tiled) and ``random`` (i.i.d. tokens), drawn
+    from ``[low_token, vocab_size)`` with ``random.Random(seed)``."""
+    rng = random.Random(cfg.seed)
+    n = 4 if cfg.limit is None else cfg.limit
+    prompts: list[Prompt] = []
+    for i in range(n):
+        if i % 2 == 0:
+            pattern = [rng.randrange(cfg.low_token, cfg.vocab_size) for _ in range(cfg.pattern_len)]
+            ids = [pattern[j % len(pattern)] for j in range(cfg.prompt_len)]
+            category = "repeat"
+        else:
+            ids = [rng.randrange(cfg.low_token, cfg.vocab_size) for _ in range(cfg.prompt_len)]
+            category = "random"
+        prompts.append(Prompt(f"{category}/{i}", category, token_ids=ids))
+    return prompts
 
 
 # ------------------------------------------------------------------------------------------ jsonl

@@ -5,6 +5,9 @@
     python -m experiments.run model=qwen2.5-coder-1.5b-instruct drafter=draft_model
     python -m experiments.run dataset=jsonl dataset.limit=26    # Spec-Bench, per-category table
     python -m experiments.run dataset=humaneval drafter=none     # baseline only
+    python -m experiments.run experiment=qwen_coder_pair logger=wandb
+    python -m experiments.run -m drafter.num_speculative_tokens=1,2,4,8        # a local sweep
+    python -m experiments.run -m sweep=drafters_k hydra/launcher=ray +hydra.launcher.ray.init.num_cpus=8
 
 Prompts run one at a time (batch 1, the usual latency setting of speculative decoding), each timed;
 tokens/s of a pass is its generated tokens over the summed per-prompt times. The speculative pass runs
@@ -27,7 +30,11 @@ per-request metrics):
   outputs drift apart after a few dozen tokens; ``model.dtype=float32`` makes it an exact check.
 
 Outputs in the Hydra run dir: ``summary.json`` (metrics, per-category metrics, resolved config, git
-commit, package versions, seeds) and ``results.jsonl`` (one line per prompt).
+commit, package versions, seeds), ``results.jsonl`` (one line per prompt), ``config.yaml`` (the resolved
+config), ``run_info.json`` (provenance: git, versions, seeds, device, command line, Hydra overrides) and
+``plots/`` (per-position and per-category acceptance, PNG and SVG). After a multirun, the sweep directory
+gets the aggregated figures and table (``plots/``, see :mod:`experiments.plot`). With ``logger=wandb``
+each job logs one wandb run (offline by default) and finishes it.
 """
 
 from __future__ import annotations
@@ -36,11 +43,8 @@ import gc
 import json
 import logging
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +52,28 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.config import (
+    DatasetConfig,
     ExperimentConfig,
+    GrammarConfig,
+    NoGrammarConfig,
     SamplingConfig,
     config_to_dict,
     register_configs,
+    sampling_params_kwargs,
     to_experiment_config,
 )
 from experiments.datasets import Prompt, load_prompts
+from experiments.tracking import (
+    NullTracker,
+    Tracker,
+    git_commit,
+    hydra_run_names,
+    make_tracker,
+    package_versions,
+    pick_device,
+    run_info,
+    write_run_files,
+)
 
 logger = logging.getLogger("experiments.run")
 
@@ -87,35 +106,44 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
-def default_llm_factory(cfg: ExperimentConfig) -> LLMFactory:
-    """Build ``specdec.LLM`` for the configured target, dtype, device and seed."""
+def default_llm_factory(cfg: ExperimentConfig, device: str | None = None) -> LLMFactory:
+    """Build ``specdec.LLM`` for the configured target, engine options and seed, on ``device``
+    (default: :func:`experiments.tracking.pick_device` of ``engine.device``)."""
+    device = device or pick_device(cfg.engine.device)
 
     def make(speculative_config: dict[str, Any] | None) -> Any:
         from specdec import LLM
 
-        extra: dict[str, Any] = {}
-        if not has_tokenizer(cfg.model.name):
-            extra["skip_tokenizer_init"] = True
         return LLM(
             cfg.model.name,
-            dtype=cfg.model.dtype.value,
-            device=cfg.device,
+            device=device,
             seed=cfg.seed,
             speculative_config=speculative_config,
-            **extra,
+            skip_tokenizer_init=not has_tokenizer(cfg.model.name),
+            **cfg.engine.llm_kwargs(cfg.model),
         )
 
     return make
 
 
 def prompt_token_ids(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """Token ids of every prompt under the tokenizer's chat template (plain encoding without one)."""
+    """Token ids of every prompt under the tokenizer's chat template (plain encoding without one);
+    prompts that carry their own ``token_ids`` keep them."""
     from specdec.llm import chat_token_ids
 
-    if getattr(tokenizer, "chat_template", None):
-        return [chat_token_ids(tokenizer, p.messages) for p in prompts]
-    logger.warning("the tokenizer has no chat template: prompts are encoded as plain text")
-    return [list(tokenizer.encode(p.text)) for p in prompts]
+    if all(p.token_ids is not None for p in prompts):
+        return [list(p.token_ids or []) for p in prompts]
+    if not getattr(tokenizer, "chat_template", None):
+        logger.warning("the tokenizer has no chat template: prompts are encoded as plain text")
+    out = []
+    for p in prompts:
+        if p.token_ids is not None:
+            out.append(list(p.token_ids))
+        elif getattr(tokenizer, "chat_template", None):
+            out.append(chat_token_ids(tokenizer, p.messages))
+        else:
+            out.append(list(tokenizer.encode(p.text)))
+    return out
 
 
 # ------------------------------------------------------------------------------------ spec stats
@@ -170,6 +198,7 @@ def run_pass(
     warmup_ids: Sequence[int] | None = None,
     labels: Sequence[str] | None = None,
     pass_name: str = "",
+    grammar: GrammarConfig | None = None,
 ) -> list[dict[str, Any]]:
     """Warm ``llm`` up, then generate for each prompt alone (batch 1), timing each call.
 
@@ -187,15 +216,7 @@ def run_pass(
     for i, ids in enumerate(prompt_ids):
         seed = None if sampling.seed is None else sampling.seed + i
         params = SamplingParams(
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
-            max_tokens=max_tokens,
-            seed=seed,
+            **sampling_params_kwargs(sampling, grammar or NoGrammarConfig()), max_tokens=max_tokens, seed=seed
         )
         _reset_engine_stats(llm)
         before = _engine_stats(llm)
@@ -328,6 +349,7 @@ def run_prompts(
     ids: Sequence[str] | None = None,
     categories: Sequence[str] | None = None,
     warmup_ids: Sequence[int] | None = None,
+    grammar: GrammarConfig | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run every prompt with speculation (when ``speculative_config`` is set) and without, one LLM at a
     time, and compare.
@@ -338,6 +360,7 @@ def run_prompts(
         ids, categories: per-prompt labels (default: their index, and one category "all").
         warmup_ids: a short prompt run once per LLM before timing (default: the first prompt's first
             eight tokens).
+        grammar: constrains every prompt's output (default: unconstrained).
 
     Returns:
         ``(metrics, records)``: :func:`aggregate` of all prompts plus ``per_category``, and one record per
@@ -358,11 +381,13 @@ def run_prompts(
         method = speculative_config.get("method", "spec")
         logger.info("speculative pass (%s): loading the model", method)
         llm = llm_factory(speculative_config)
-        spec_records = run_pass(llm, prompt_ids, sampling, max_tokens, warmup_ids, ids, f"spec[{method}]")
+        spec_records = run_pass(
+            llm, prompt_ids, sampling, max_tokens, warmup_ids, ids, f"spec[{method}]", grammar
+        )
         _free(llm)
     logger.info("baseline pass: loading the model")
     llm = llm_factory(None)
-    base_records = run_pass(llm, prompt_ids, sampling, max_tokens, warmup_ids, ids, "baseline")
+    base_records = run_pass(llm, prompt_ids, sampling, max_tokens, warmup_ids, ids, "baseline", grammar)
     _free(llm)
 
     records: list[dict[str, Any]] = []
@@ -393,52 +418,85 @@ def run_prompts(
     return metrics, records
 
 
-# ---------------------------------------------------------------------------------- provenance
-def _git_commit() -> dict[str, Any]:
-    root = Path(__file__).resolve().parents[1]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit or None, "dirty": bool(dirty)}
-
-
-def _versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for dist in ("torch", "transformers", "specdec", "hydra-core", "omegaconf", "numpy"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
-def _environment(cfg: ExperimentConfig) -> dict[str, Any]:
-    import torch
-
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return {"device": device, "torch_threads": torch.get_num_threads()}
-
-
 # ------------------------------------------------------------------------------------ experiment
+#: Summary keys that describe the run rather than measure it (kept out of the tracker's metrics).
+_NON_METRIC_KEYS = ("config", "git", "versions", "seeds", "environment", "drafter", "model", "dataset")
+
+
+def load_token_ids(
+    model: str, dataset: DatasetConfig, prompt_ids: Sequence[Sequence[int]] | None = None
+) -> tuple[list[list[int]], list[str], list[str], list[int] | None]:
+    """``(token_ids, ids, categories, warmup_ids)`` of a dataset's prompts under ``model``'s chat
+    template (or of ``prompt_ids``, when given: ids are their indices, the category "given").
+
+    Raises:
+        FileNotFoundError, ValueError: a missing or malformed dataset, or text prompts and a model
+            without a tokenizer.
+    """
+    if prompt_ids is not None:
+        token_ids = [list(p) for p in prompt_ids]
+        ids = [str(i) for i in range(len(token_ids))]
+        return token_ids, ids, ["given"] * len(token_ids), (token_ids[0][:8] if token_ids else None)
+    prompts = load_prompts(dataset)
+    if not prompts:
+        raise ValueError(f"dataset {dataset.name!r} gave no prompts")
+    ids = [p.id for p in prompts]
+    categories = [p.category for p in prompts]
+    if all(p.token_ids is not None for p in prompts):
+        token_ids = [list(p.token_ids or []) for p in prompts]
+        return token_ids, ids, categories, token_ids[0][:8]
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError(
+            f"model {model!r} has no tokenizer, so dataset={dataset.name} prompts cannot be "
+            "tokenized; use dataset=synthetic (token ids) or pass prompt_ids to run_experiment"
+        )
+    token_ids = prompt_token_ids(tokenizer, prompts)
+    warmup = prompt_token_ids(tokenizer, [Prompt("warmup", "warmup", [{"role": "user", "content": "Hi!"}])])[
+        0
+    ]
+    return token_ids, ids, categories, warmup
+
+
+def _step_metrics(rec: dict[str, Any]) -> dict[str, Any]:
+    """Per-prompt ("step") metrics of one record, for the tracker."""
+    base = rec["baseline"]
+    out: dict[str, Any] = {
+        "prompt/num_prompt_tokens": rec["num_prompt_tokens"],
+        "baseline/num_tokens": base["num_tokens"],
+        "baseline/tokens_per_s": base["num_tokens"] / base["time_s"] if base["time_s"] > 0 else None,
+    }
+    spec = rec["spec"]
+    if spec is not None:
+        counts = spec["counts"] or {}
+        out.update(
+            {
+                "spec/num_tokens": spec["num_tokens"],
+                "spec/tokens_per_s": spec["num_tokens"] / spec["time_s"] if spec["time_s"] > 0 else None,
+                "spec/mean_acceptance_length": spec["mean_acceptance_length"],
+                "spec/acceptance_rate": (
+                    counts["num_accepted_tokens"] / counts["num_draft_tokens"]
+                    if counts.get("num_draft_tokens")
+                    else None
+                ),
+                "spec/equal": rec["equal"],
+            }
+        )
+        if out["spec/tokens_per_s"] and out["baseline/tokens_per_s"]:
+            out["spec/speedup"] = out["spec/tokens_per_s"] / out["baseline/tokens_per_s"]
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def run_experiment(
     cfg: ExperimentConfig,
     out_dir: str | Path | None = None,
     prompt_ids: Sequence[Sequence[int]] | None = None,
     llm_factory: LLMFactory | None = None,
+    tracker: Tracker | None = None,
 ) -> dict[str, Any]:
-    """Run the experiment ``cfg`` and return its summary (also written to ``out_dir``, when given, as
-    ``summary.json`` with the per-prompt ``results.jsonl`` beside it).
+    """Run the experiment ``cfg`` and return its summary (also written to ``out_dir``, when given:
+    ``summary.json``, ``results.jsonl``, ``config.yaml``, ``run_info.json`` and, with ``cfg.plots``,
+    ``plots/``).
 
     Args:
         cfg: a validated config (:func:`experiments.config.to_experiment_config`).
@@ -446,6 +504,8 @@ def run_experiment(
         prompt_ids: token ids to run instead of the configured dataset (e.g. for a model without a
             tokenizer); their ids are their indices and their category is "given".
         llm_factory: how to build an LLM (default: :func:`default_llm_factory`).
+        tracker: where metrics and figures are logged besides the files (default: nowhere). The
+            caller finishes it.
 
     Raises:
         FileNotFoundError, ValueError: from the dataset or the config, before any model loads.
@@ -453,64 +513,71 @@ def run_experiment(
     """
     import torch
 
+    tracker = tracker or NullTracker()
     t_start = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    if prompt_ids is not None:
-        token_ids = [list(p) for p in prompt_ids]
-        ids = [str(i) for i in range(len(token_ids))]
-        categories = ["given"] * len(token_ids)
-        warmup = token_ids[0][:8] if token_ids else None
-    else:
-        prompts = load_prompts(cfg.dataset)
-        if not prompts:
-            raise ValueError(f"dataset {cfg.dataset.name!r} gave no prompts")
-        tokenizer = load_tokenizer(cfg.model.name)
-        if tokenizer is None:
-            raise ValueError(
-                f"model {cfg.model.name!r} has no tokenizer, so dataset={cfg.dataset.name} prompts cannot be "
-                "tokenized; pass prompt_ids to run_experiment instead"
-            )
-        token_ids = prompt_token_ids(tokenizer, prompts)
-        ids = [p.id for p in prompts]
-        categories = [p.category for p in prompts]
-        warmup = prompt_token_ids(
-            tokenizer, [Prompt("warmup", "warmup", [{"role": "user", "content": "Hi!"}])]
-        )[0]
-    logger.info("%d prompts, %d prompt tokens in all", len(token_ids), sum(len(t) for t in token_ids))
-
-    metrics, records = run_prompts(
-        llm_factory or default_llm_factory(cfg),
-        token_ids,
-        speculative_config=cfg.drafter.speculative_config(),
-        sampling=cfg.sampling,
-        max_tokens=cfg.max_tokens,
-        ids=ids,
-        categories=categories,
-        warmup_ids=warmup,
-    )
-    summary: dict[str, Any] = {
-        **metrics,
-        "drafter": cfg.drafter.method,
-        "model": cfg.model.name,
-        "dataset": cfg.dataset.name,
-        "config": config_to_dict(cfg),
-        "seeds": {
+    threads_before = torch.get_num_threads()
+    if cfg.engine.torch_threads is not None:
+        torch.set_num_threads(cfg.engine.torch_threads)
+    try:
+        torch.manual_seed(cfg.seed)
+        device = pick_device(cfg.engine.device)
+        seeds = {
             "engine": cfg.seed,
+            "torch": cfg.seed,
             "sampling": cfg.sampling.seed,
             "dataset": getattr(cfg.dataset, "seed", None),
-        },
-        "git": _git_commit(),
-        "versions": _versions(),
-        "environment": _environment(cfg),
-        "wall_time_s": time.perf_counter() - t_start,
-    }
+        }
+        config = config_to_dict(cfg)
+        info = run_info(seeds, device)
+        if out_dir is not None:
+            write_run_files(out_dir, config, info)
+        token_ids, ids, categories, warmup = load_token_ids(cfg.model.name, cfg.dataset, prompt_ids)
+        logger.info(
+            "%d prompts, %d prompt tokens in all, on %s",
+            len(token_ids),
+            sum(len(t) for t in token_ids),
+            device,
+        )
+        metrics, records = run_prompts(
+            llm_factory or default_llm_factory(cfg, device),
+            token_ids,
+            speculative_config=cfg.drafter.speculative_config(),
+            sampling=cfg.sampling,
+            max_tokens=cfg.max_tokens,
+            ids=ids,
+            categories=categories,
+            warmup_ids=warmup,
+            grammar=cfg.grammar,
+        )
+        summary: dict[str, Any] = {
+            **metrics,
+            "drafter": cfg.drafter.method,
+            "model": cfg.model.name,
+            "dataset": cfg.dataset.name,
+            "config": config,
+            "seeds": seeds,
+            "git": info["git"],
+            "versions": info["versions"],
+            "environment": info["environment"],
+            "wall_time_s": time.perf_counter() - t_start,
+        }
+    finally:
+        torch.set_num_threads(threads_before)
+    for i, rec in enumerate(records):
+        tracker.log(_step_metrics(rec), step=i)
+    tracker.log_summary({k: v for k, v in summary.items() if k not in _NON_METRIC_KEYS})
     if out_dir is not None:
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         with (out / "results.jsonl").open("w") as f:
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
+        if cfg.plots:
+            from experiments.plot import plot_run
+
+            figures = plot_run(out)
+            if getattr(cfg.logger, "log_plots", True):
+                tracker.log_images({f"plots/{name}": paths[0] for name, paths in figures.items()})
     return summary
 
 
@@ -605,15 +672,31 @@ register_configs()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
-def main(dcfg: DictConfig) -> None:
-    """Hydra entry point: compose, convert to typed config, run, print and save the summary."""
+def main(dcfg: DictConfig) -> dict[str, Any]:
+    """Hydra entry point: compose, convert to typed config (every check runs here, before any model
+    loads), run, print and save the summary; with ``logger=wandb`` log the job as one wandb run and
+    finish it."""
     from hydra.core.hydra_config import HydraConfig
 
     cfg = to_experiment_config(dcfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    summary = run_experiment(cfg, out_dir=out_dir)
+    name, group = hydra_run_names()
+    tracker = make_tracker(
+        cfg.logger,
+        out_dir,
+        {**config_to_dict(cfg), "git": git_commit(), "versions": package_versions()},
+        name=name,
+        group=group,
+    )
+    exit_code = 1
+    try:
+        summary = run_experiment(cfg, out_dir=out_dir, tracker=tracker)
+        exit_code = 0
+    finally:
+        tracker.finish(exit_code)
     print(format_summary(summary))
     print(f"wall time {summary['wall_time_s']:.1f} s; results in {out_dir}")
+    return {k: v for k, v in summary.items() if k not in ("git", "versions", "environment")}
 
 
 if __name__ == "__main__":

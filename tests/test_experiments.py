@@ -16,16 +16,26 @@ from hydra.errors import ConfigCompositionException
 
 from experiments.config import (
     BuiltinDatasetConfig,
+    ChoiceGrammarConfig,
     DraftModelDrafterConfig,
     Dtype,
+    EngineConfig,
     ExperimentConfig,
     HumanEvalDatasetConfig,
     JsonlDatasetConfig,
+    JsonSchemaGrammarConfig,
+    ModelConfig,
     NgramDrafterConfig,
     NoDrafterConfig,
+    NoGrammarConfig,
+    NoLoggerConfig,
+    RegexGrammarConfig,
     SamplingConfig,
+    SyntheticDatasetConfig,
+    WandbLoggerConfig,
     config_to_dict,
     register_configs,
+    sampling_params_kwargs,
     to_experiment_config,
 )
 from experiments.datasets import load_builtin, load_humaneval, load_jsonl, load_prompts, round_robin
@@ -37,6 +47,8 @@ SPECBENCH = REPO / ".." / "shared" / "specbench" / "question.jsonl"
 HUMANEVAL = REPO / ".." / "shared" / "humaneval" / "HumanEval.jsonl.gz"
 GROUPS = ("model", "drafter", "dataset", "sampling")
 OPTIONS = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in GROUPS}
+ALL_GROUPS = (*GROUPS, "grammar", "engine", "logger", "experiment", "sweep")
+CONFIG_FILES = sorted(str(p.relative_to(CONF)) for p in CONF.rglob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +80,13 @@ def test_every_group_has_its_options():
         "smollm2-135m-instruct",
     ]
     assert OPTIONS["drafter"] == ["draft_model", "ngram", "none"]
-    assert OPTIONS["dataset"] == ["builtin", "humaneval", "jsonl"]
+    assert OPTIONS["dataset"] == ["builtin", "humaneval", "jsonl", "synthetic"]
     assert OPTIONS["sampling"] == ["greedy", "random"]
+    options = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ALL_GROUPS}
+    assert options["grammar"] == ["choice", "json_schema", "none", "regex"]
+    assert options["engine"] == ["cpu", "cuda", "default"]
+    assert options["logger"] == ["none", "wandb"]
+    assert options["experiment"] and options["sweep"]
 
 
 def test_default_config(hydra_conf):
@@ -84,7 +101,118 @@ def test_default_config(hydra_conf):
     }
     assert isinstance(cfg.dataset, BuiltinDatasetConfig) and cfg.dataset.limit == 12
     assert cfg.sampling == SamplingConfig(temperature=0.0, seed=None)
-    assert (cfg.max_tokens, cfg.seed) == (128, 0)
+    assert (cfg.max_tokens, cfg.seed, cfg.plots) == (128, 0, True)
+    assert isinstance(cfg.grammar, NoGrammarConfig) and cfg.grammar.sampling_kwargs() == {}
+    assert cfg.engine == EngineConfig()  # specdec.LLM's own defaults
+    assert cfg.engine.llm_kwargs(cfg.model)["dtype"] == "float32"
+    assert isinstance(cfg.logger, NoLoggerConfig)
+
+
+# Companion overrides a file needs to compose (a draft model needs a target of its family).
+NEEDS = {
+    "drafter/draft_model.yaml": ["model=qwen2.5-coder-1.5b-instruct"],
+}
+EXPECTED_TYPES = {
+    "drafter": {"none": NoDrafterConfig, "ngram": NgramDrafterConfig, "draft_model": DraftModelDrafterConfig},
+    "dataset": {
+        "builtin": BuiltinDatasetConfig,
+        "jsonl": JsonlDatasetConfig,
+        "humaneval": HumanEvalDatasetConfig,
+        "synthetic": SyntheticDatasetConfig,
+    },
+    "grammar": {
+        "none": NoGrammarConfig,
+        "json_schema": JsonSchemaGrammarConfig,
+        "regex": RegexGrammarConfig,
+        "choice": ChoiceGrammarConfig,
+    },
+    "logger": {"none": NoLoggerConfig, "wandb": WandbLoggerConfig},
+}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES)
+def test_every_config_file_composes_and_validates(hydra_conf, path):
+    """Each file of experiments/conf, selected on its own, composes against its schema and converts to
+    validated dataclasses (hydra/launcher files: the launcher config composes with its plugin's)."""
+    from omegaconf import OmegaConf
+
+    from experiments.config import BenchConfig, to_bench_config
+
+    parts = Path(path).with_suffix("").parts
+    if path == "config.yaml":
+        assert isinstance(load_cfg(), ExperimentConfig)
+        return
+    if path == "bench.yaml":
+        cfg = to_bench_config(compose(config_name="bench"))
+        assert isinstance(cfg, BenchConfig) and cfg.methods == ["plain", "ngram"]
+        assert cfg.engine.llm_kwargs(cfg.model)["dtype"] == "bfloat16"
+        return
+    if parts[0] == "hydra":
+        pytest.importorskip(
+            {
+                "ray_local": "hydra_plugins.hydra_ray_launcher",
+                "slurm": "hydra_plugins.hydra_submitit_launcher",
+            }[parts[-1]]
+        )
+        group, option = "/".join(parts[:-1]), parts[-1]
+        full = compose(config_name="config", overrides=[f"{group}={option}"], return_hydra_config=True)
+        launcher = OmegaConf.to_container(full.hydra.launcher, resolve=False)
+        assert isinstance(launcher, dict) and launcher["_target_"].startswith("hydra_plugins.")
+        if option == "slurm":
+            assert launcher["gpus_per_node"] == 1 and "partition" in launcher
+        else:
+            assert launcher["ray"]["remote"]["num_cpus"] == 1
+        return
+    group, option = parts
+    cfg = load_cfg(*NEEDS.get(path, []), f"{group}={option}")
+    if group in EXPECTED_TYPES:
+        assert type(getattr(cfg, group)) is EXPECTED_TYPES[group][option]
+    if group == "sweep":
+        full = compose(config_name="config", overrides=[f"sweep={option}"], return_hydra_config=True)
+        params = OmegaConf.to_container(full.hydra.sweeper.params)
+        assert isinstance(params, dict) and params
+        for key, values in params.items():  # every swept value composes and validates too
+            for value in str(values).split(","):
+                overrides = [f"sweep={option}", f"{key}={value}"]
+                if key == "drafter" and value == "draft_model":
+                    overrides.append("model=qwen2.5-coder-1.5b-instruct")
+                load_cfg(*overrides)
+    if group == "grammar":
+        from sampling.params import SamplingParams
+
+        kwargs = cfg.grammar.sampling_kwargs()
+        params = SamplingParams(**kwargs)
+        given = [f for f in ("json_schema", "regex", "choice") if getattr(params, f) is not None]
+        assert given == ([] if option == "none" else [option])
+
+
+def test_experiment_deltas(hydra_conf):
+    cfg = load_cfg("experiment=qwen_coder_pair")
+    assert cfg.model.name == "qwen2.5-coder-1.5b-instruct" and isinstance(
+        cfg.drafter, DraftModelDrafterConfig
+    )
+    assert isinstance(cfg.dataset, HumanEvalDatasetConfig) and cfg.dataset.limit == 6
+    cfg = load_cfg("experiment=smoke", "max_tokens=4")  # the command line wins over the delta
+    assert (cfg.dataset.limit, cfg.max_tokens) == (2, 4)
+    with pytest.raises(ConfigCompositionException):
+        load_cfg("experiment=nonexistent")
+
+
+def test_engine_and_grammar_options(hydra_conf):
+    cfg = load_cfg("engine=cuda", "engine.num_kv_blocks=64", "engine.enable_prefix_caching=false")
+    kwargs = cfg.engine.llm_kwargs(cfg.model)
+    assert cfg.engine.device == "cuda"
+    assert kwargs["dtype"] == "bfloat16" and kwargs["num_kv_blocks"] == 64
+    assert kwargs["enable_prefix_caching"] is False
+    assert load_cfg("model.dtype=bfloat16").engine.llm_kwargs(ModelConfig("m", Dtype.bfloat16))["dtype"] == (
+        "bfloat16"
+    )
+    cfg = load_cfg("grammar=choice", "grammar.choice=[yes,no]")
+    assert sampling_params_kwargs(cfg.sampling, cfg.grammar)["choice"] == ["yes", "no"]
+    cfg = load_cfg("grammar=json_schema")
+    assert sampling_params_kwargs(cfg.sampling, cfg.grammar)["json_schema"]["required"] == ["name", "age"]
+    cfg = load_cfg("grammar=regex", "grammar.regex='[0-9]+'")
+    assert cfg.grammar.sampling_kwargs() == {"regex": "[0-9]+"}
 
 
 @pytest.mark.parametrize("model,drafter,dataset,sampling", list(itertools.product(*OPTIONS.values())))
@@ -102,11 +230,7 @@ def test_every_combination_composes(hydra_conf, model, drafter, dataset, samplin
         "draft_model": DraftModelDrafterConfig,
     }[drafter]
     assert type(cfg.drafter) is expected_drafter and cfg.drafter.method == drafter
-    expected_dataset = {
-        "builtin": BuiltinDatasetConfig,
-        "jsonl": JsonlDatasetConfig,
-        "humaneval": HumanEvalDatasetConfig,
-    }[dataset]
+    expected_dataset = EXPECTED_TYPES["dataset"][dataset]
     assert type(cfg.dataset) is expected_dataset and cfg.dataset.name == dataset
     assert cfg.sampling.temperature == (0.0 if sampling == "greedy" else 1.0)
 
@@ -148,6 +272,10 @@ def test_wrong_key_fails_clearly(hydra_conf):
     # a key of another option is wrong too: n-gram drafters have no draft model
     with pytest.raises(ConfigCompositionException):
         load_cfg("drafter.model=qwen2.5-coder-0.5b-instruct")
+    for bad in ("engine.block_sise=8", "logger.projekt=x", "grammar.regex=a"):
+        with pytest.raises(ConfigCompositionException) as info:
+            load_cfg(bad)
+        assert bad.split("=")[0] in error_text(info.value)
 
 
 def test_wrong_type_fails_clearly(hydra_conf):
@@ -156,8 +284,14 @@ def test_wrong_type_fails_clearly(hydra_conf):
     text = error_text(info.value)
     assert "max_tokens" in text and "Integer" in text
     with pytest.raises(ConfigCompositionException) as info:
-        load_cfg("model.dtype=float16")
+        load_cfg("model.dtype=float8")
     assert "dtype" in error_text(info.value)
+    with pytest.raises(ConfigCompositionException) as info:
+        load_cfg("engine.max_num_seqs=lots")
+    assert "engine.max_num_seqs" in error_text(info.value)
+    with pytest.raises(ConfigCompositionException) as info:
+        load_cfg("grammar=choice", "grammar.choice=yes")
+    assert "grammar.choice" in error_text(info.value)
     with pytest.raises(ConfigCompositionException):
         load_cfg("sampling.temperature=hot")
 
@@ -173,11 +307,23 @@ def test_wrong_type_fails_clearly(hydra_conf):
         ("sampling.repetition_penalty=0", "sampling: repetition_penalty"),
         ("drafter.num_speculative_tokens=0", "num_speculative_tokens"),
         ("drafter.prompt_lookup_min=5", "prompt_lookup_min"),
+        (
+            "drafter.num_speculative_tokens=17",
+            r"drafter\.num_speculative_tokens must be an integer in \[1, 16\]",
+        ),
+        ("engine.block_size=0", r"engine\.block_size must be"),
+        ("engine.max_num_seqs=0", r"engine\.max_num_seqs must be"),
+        ("engine.torch_threads=0", r"engine\.torch_threads"),
+        ("engine.device=gpu0", r"engine\.device"),
+        ("dataset=synthetic dataset.low_token=200", r"dataset\.low_token"),
+        ("logger=wandb logger.mode=sometimes", r"logger\.mode"),
+        ("grammar=regex grammar.regex=''", r"grammar \(regex\): regex must be a non-empty string"),
+        ("grammar=choice grammar.choice=[]", r"grammar \(choice\): choice must be a non-empty list"),
     ],
 )
 def test_invalid_values_fail_before_loading(hydra_conf, override, message):
     with pytest.raises(ValueError, match=message):
-        load_cfg(override)
+        load_cfg(*override.split(" "))
 
 
 # ----------------------------------------------------------------------------------------- builtin
@@ -202,6 +348,17 @@ def test_builtin_cap_and_limit():
     assert load_prompts(BuiltinDatasetConfig(limit=5))[0].id == load_builtin(5)[0].id
     with pytest.raises(ValueError, match="max_prompt_chars"):
         load_builtin(4, max_prompt_chars=20)
+
+
+def test_synthetic_prompts():
+    cfg = SyntheticDatasetConfig(limit=5, prompt_len=20, pattern_len=4, vocab_size=50, low_token=3, seed=1)
+    prompts = load_prompts(cfg)
+    assert [p.category for p in prompts] == ["repeat", "random", "repeat", "random", "repeat"]
+    assert all(len(p.token_ids or []) == 20 and min(p.token_ids or []) >= 3 for p in prompts)
+    assert all(max(p.token_ids or []) < 50 for p in prompts)
+    rep = prompts[0].token_ids or []
+    assert rep[:4] == rep[4:8] == rep[16:20]
+    assert [p.token_ids for p in load_prompts(cfg)] == [p.token_ids for p in prompts]
 
 
 # ------------------------------------------------------------------------------------------- jsonl
@@ -397,8 +554,8 @@ def test_run_prompts_mismatch_and_sampling():
 
 # -------------------------------------------------------------------------------- run: tiny model
 def tiny_cfg(model_dir: Path, drafter: str) -> ExperimentConfig:
-    cfg = load_cfg(f"drafter={drafter}", "model.dtype=float32", "max_tokens=8")
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=str(model_dir)), device="cpu")
+    cfg = load_cfg(f"drafter={drafter}", "model.dtype=float32", "max_tokens=8", "engine=cpu", "plots=false")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=str(model_dir)))
 
 
 SUMMARY_KEYS = {
@@ -447,6 +604,51 @@ def test_run_experiment_tiny_ngram(hydra_conf, tiny_model_dirs, tmp_path):
     assert summary["tokens_spec"] == summary["tokens_baseline"] > 0
     assert summary["speedup"] is not None
     assert "ngram" in format_summary(summary)
+
+
+def test_run_experiment_tiny_synthetic_writes_its_run_dir(hydra_conf, tiny_model_dirs, tmp_path):
+    cfg = tiny_cfg(tiny_model_dirs["llama-gqa3-tied"], "ngram")
+    cfg = dataclasses.replace(
+        cfg,
+        dataset=SyntheticDatasetConfig(limit=2, prompt_len=16),
+        engine=EngineConfig(device="cpu"),
+        plots=True,
+    )
+    logged: dict[str, Any] = {"steps": [], "summary": {}, "images": {}}
+
+    class Recorder:
+        def log(self, metrics, step=None):
+            logged["steps"].append((step, dict(metrics)))
+
+        def log_summary(self, metrics):
+            logged["summary"].update(metrics)
+
+        def log_images(self, images):
+            logged["images"].update(images)
+
+        def log_table(self, name, columns, rows):
+            pass
+
+        def finish(self, exit_code=0):
+            pass
+
+    summary = run_experiment(cfg, out_dir=tmp_path, tracker=Recorder())
+    assert summary["num_prompts"] == 2 and set(summary["per_category"]) == {"repeat", "random"}
+    assert summary["config"]["dataset"]["name"] == "synthetic"
+    for name in ("summary.json", "results.jsonl", "config.yaml", "run_info.json"):
+        assert (tmp_path / name).is_file()
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved == summary["config"]
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    assert info["seeds"] == summary["seeds"] and info["versions"] == summary["versions"]
+    assert [s for s, _ in logged["steps"]] == [0, 1]
+    assert logged["summary"]["mean_acceptance_length"] == summary["mean_acceptance_length"]
+    assert "config" not in logged["summary"]
+    if summary["tokens_per_s_spec"] is not None:
+        assert set(logged["images"]) == {"plots/acceptance_per_position", "plots/acceptance_per_category"}
+        assert all(Path(p).suffix == ".png" and Path(p).is_file() for p in logged["images"].values())
 
 
 def test_run_experiment_without_tokenizer_needs_ids(hydra_conf, tiny_model_dirs):
