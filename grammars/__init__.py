@@ -1,1 +1,106 @@
-"""Constrained decoding: grammar Protocol, outlines-core backend, token bitmasks (see issue 5)."""
+"""Constrained decoding: grammar Protocol, outlines-core backend, token bitmasks (see issue 5).
+
+A request's output can be constrained to a JSON schema, a regular expression or a list of choices
+(:class:`GrammarSpec`). A :class:`GrammarBackend` (here :class:`OutlinesBackend`, on outlines-core's
+token index; Willard & Louf 2023) compiles a spec once into a shared :class:`CompiledGrammar`; each
+request drives its own :class:`Grammar` matcher, which writes the allowed tokens of its state into a
+packed int32 bitmask row (:mod:`grammars.bitmask`) and accepts, validates and rolls back tokens so that
+speculative drafts can be masked position by position::
+
+    backend = OutlinesBackend(tokenizer, vocab_size=model_vocab_size)
+    compiled = backend.compile(GrammarSpec.json_schema({"type": "object", ...}))   # or compile_async
+    grammar = compiled.matcher()
+    bitmask = allocate_token_bitmask(1, model_vocab_size)
+    grammar.fill_bitmask(bitmask, 0)
+    logits = apply_token_bitmask(logits, bitmask)        # disallowed -> -inf
+    grammar.accept_token(next_token)
+
+Modules, one concept each: :mod:`~grammars.base` (spec and Protocols), :mod:`~grammars.bitmask`
+(packing and the reference masking), :mod:`~grammars.vocabulary` (tokenizer -> token bytes,
+fingerprint), :mod:`~grammars.outlines_backend` (the backend), :mod:`~grammars.cache` (compile cache),
+:mod:`~grammars.schema` (what outlines-core ignores in a JSON schema; instance validation),
+:mod:`~grammars.errors`.
+"""
+
+from grammars.base import CompiledGrammar, Grammar, GrammarBackend, GrammarSpec
+from grammars.bitmask import (
+    allocate_token_bitmask,
+    apply_token_bitmask,
+    bitmask_width,
+    is_token_allowed,
+    pack_bitmask,
+    set_token_bits,
+    token_ids_to_bitmask_row,
+    unpack_bitmask,
+)
+from grammars.cache import CompileCache
+from grammars.errors import (
+    GrammarCompileError,
+    GrammarCompileTimeoutError,
+    GrammarError,
+    GrammarSpecError,
+    GrammarTooLargeError,
+    UnsupportedSchemaError,
+)
+from grammars.outlines_backend import (
+    DEFAULT_WHITESPACE_PATTERN,
+    OutlinesBackend,
+    OutlinesCompiledGrammar,
+    OutlinesGrammar,
+    spec_to_regex,
+)
+from grammars.schema import (
+    IGNORED_KEYWORDS,
+    SchemaFinding,
+    check_schema,
+    find_ignored_keywords,
+    normalize_schema,
+    schema_findings,
+    validate_instance,
+)
+from grammars.vocabulary import (
+    TokenVocabulary,
+    build_outlines_vocabulary,
+    bytes_to_unicode,
+    tokenizer_fingerprint,
+    tokenizer_vocabulary,
+)
+
+__all__ = [
+    "DEFAULT_WHITESPACE_PATTERN",
+    "IGNORED_KEYWORDS",
+    "CompileCache",
+    "CompiledGrammar",
+    "Grammar",
+    "GrammarBackend",
+    "GrammarCompileError",
+    "GrammarCompileTimeoutError",
+    "GrammarError",
+    "GrammarSpec",
+    "GrammarSpecError",
+    "GrammarTooLargeError",
+    "OutlinesBackend",
+    "OutlinesCompiledGrammar",
+    "OutlinesGrammar",
+    "SchemaFinding",
+    "TokenVocabulary",
+    "UnsupportedSchemaError",
+    "allocate_token_bitmask",
+    "apply_token_bitmask",
+    "bitmask_width",
+    "build_outlines_vocabulary",
+    "bytes_to_unicode",
+    "check_schema",
+    "find_ignored_keywords",
+    "is_token_allowed",
+    "normalize_schema",
+    "pack_bitmask",
+    "schema_findings",
+    "set_token_bits",
+    "spec_to_regex",
+    "token_ids_to_bitmask_row",
+    "tokenizer_fingerprint",
+    "tokenizer_vocabulary",
+    "unpack_bitmask",
+    "validate_instance",
+]

@@ -10,7 +10,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specdec.errors import InvalidRequestError
 
@@ -193,7 +193,7 @@ class SamplingParams:
             raise InvalidRequestError(f"strict must be a bool, got {self.strict!r}")
 
     @property
-    def schema(self) -> dict | bool | None:
+    def schema(self) -> dict[str, Any] | bool | None:
         """``json_schema`` parsed (None without one)."""
         if self.json_schema is None:
             return None
@@ -207,11 +207,11 @@ class SamplingParams:
         from grammars.base import GrammarSpec
 
         if self.json_schema is not None:
-            return GrammarSpec("json_schema", json.dumps(self.schema, sort_keys=True, separators=(",", ":")))
+            return GrammarSpec.json_schema(self.json_schema)  # key order kept: it orders the output
         if self.regex is not None:
-            return GrammarSpec("regex", self.regex)
+            return GrammarSpec.regex(self.regex)
         if self.choice is not None:
-            return GrammarSpec("choice", json.dumps(list(self.choice)))
+            return GrammarSpec.choice(list(self.choice))
         return None
 
     @property

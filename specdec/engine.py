@@ -164,10 +164,11 @@ class LLMEngine:
                 raise InvalidRequestError(
                     "json_schema / regex / choice need a tokenizer (skip_tokenizer_init=True was given)"
                 )
-            if params.json_schema is not None:
+            schema = params.schema
+            if schema is not None:
                 from grammars.schema import check_schema
 
-                check_schema(params.schema, strict=params.strict)  # UnsupportedSchemaError when strict
+                check_schema(schema, strict=params.strict)  # UnsupportedSchemaError when strict
         total = min(n + params.max_tokens, self.max_model_len)
         # The last generated token ends the request before its KV is ever written; a verification
         # step may also reserve slots for num_speculative_tokens drafts past the committed tokens.
@@ -229,9 +230,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free everything it holds; unknown or finished ids are ignored."""
         if request_id in self.compiling:
-            req, fut = self.compiling.pop(request_id)
+            pending, fut = self.compiling.pop(request_id)
             fut.cancel()
-            req.status = RequestStatus.FINISHED_ABORTED
+            pending.status = RequestStatus.FINISHED_ABORTED
             return
         req = self.scheduler.requests.get(request_id)
         if req is not None:
