@@ -609,6 +609,27 @@ def sampling_params_kwargs(s: SamplingConfig, g: GrammarConfig) -> dict[str, Any
     }
 
 
+def _check_group_names(cfg: ExperimentConfig) -> None:
+    """``drafter.method``, ``dataset.name``, ``grammar.kind`` and ``logger.name`` name the chosen config
+    group; overriding one alone would relabel the run without changing what runs.
+
+    Raises:
+        ValueError: naming the key and the group to choose instead.
+    """
+    for group, attr in (("drafter", "method"), ("dataset", "name"), ("grammar", "kind"), ("logger", "name")):
+        obj = getattr(cfg, group)
+        fields = getattr(type(obj), "__dataclass_fields__", {})
+        if attr not in fields:
+            continue
+        expected, value = fields[attr].default, getattr(obj, attr)
+        if isinstance(expected, str) and value != expected:
+            raise ValueError(
+                f"{group}.{attr}={value!r} contradicts the chosen group ({group}: {expected}); "
+                f"{group}.{attr} names the group and cannot be overridden: choose the group instead "
+                f"({group}={value})"
+            )
+
+
 def validate_config(cfg: ExperimentConfig) -> None:
     """Cross-field checks that a schema cannot express; cheap, and run before any model loads.
 
@@ -620,6 +641,7 @@ def validate_config(cfg: ExperimentConfig) -> None:
             n-gram window, a sampling or grammar value ``SamplingParams`` rejects, an engine value
             ``specdec.LLM`` would reject, or a draft model whose vocabulary differs from the target's.
     """
+    _check_group_names(cfg)
     if cfg.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {cfg.max_tokens}")
     if cfg.sampling.temperature < 0:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sampling.params import coerce_scalars
 from specdec.errors import InvalidRequestError
 
 #: Accepted values of :attr:`BeamSearchParams.early_stopping` (as in transformers' ``GenerationConfig``).
@@ -73,6 +74,7 @@ class BeamSearchParams:
         Raises:
             InvalidRequestError: naming the first invalid field and its allowed range.
         """
+        coerce_scalars(self, ("length_penalty",), ("beam_width", "max_tokens", "num_return_sequences"))
         if not _is_int(self.beam_width) or self.beam_width < 1:
             raise InvalidRequestError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

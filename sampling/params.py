@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,19 @@ MAX_LOGPROBS = 20
 
 #: Bound of the OpenAI API's presence and frequency penalties.
 MAX_OPENAI_PENALTY = 2.0
+
+
+def coerce_scalars(obj: object, float_fields: Sequence[str], int_fields: Sequence[str]) -> None:
+    """Turn NumPy (or other ``numbers``) scalars in these fields into Python ``float`` / ``int``, so
+    sweeps built from arrays work; anything else is left for validation to reject."""
+    for name in float_fields:
+        v = getattr(obj, name)
+        if isinstance(v, numbers.Real) and not isinstance(v, (bool, float, int)):
+            setattr(obj, name, float(v))
+    for name in int_fields:
+        v = getattr(obj, name)
+        if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+            setattr(obj, name, int(v))
 
 
 def _is_number(x: object) -> bool:
@@ -108,6 +122,11 @@ class SamplingParams:
         Raises:
             InvalidRequestError: naming the first invalid field and its allowed range.
         """
+        coerce_scalars(
+            self,
+            ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"),
+            ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "n"),
+        )
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -174,7 +193,7 @@ class SamplingParams:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise InvalidRequestError(f"json_schema is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):
                 raise InvalidRequestError(
                     f"json_schema must be a JSON object (dict or JSON string), got {type(schema).__name__}"
                 )
@@ -193,7 +212,7 @@ class SamplingParams:
             raise InvalidRequestError(f"strict must be a bool, got {self.strict!r}")
 
     @property
-    def schema(self) -> dict[str, Any] | bool | None:
+    def schema(self) -> dict[str, Any] | None:
         """``json_schema`` parsed (None without one)."""
         if self.json_schema is None:
             return None

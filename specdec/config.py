@@ -81,10 +81,22 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """None picks CUDA when available, else the CPU."""
+    """None picks CUDA when available, else the CPU.
+
+    Raises:
+        ConfigError: not a device torch knows, or CUDA asked for where it is not available.
+    """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device must be 'cpu', 'cuda', 'cuda:N' or None, got {device!r} ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but CUDA is not available here")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be a CPU or CUDA device, got {device!r}")
+    return dev
 
 
 #: Largest ``num_speculative_tokens`` accepted (beyond this, acceptance of the last positions is ~0).

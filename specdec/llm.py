@@ -17,9 +17,9 @@ from specdec.beam_search import BeamSearchOutput
 from specdec.beam_search import beam_search as run_beam_search
 from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_device, resolve_dtype
 from specdec.engine import LLMEngine
-from specdec.errors import InvalidRequestError
+from specdec.errors import ConfigError, InvalidRequestError
 from specdec.outputs import CompletionOutput, RequestOutput
-from specdec.request import Request, RequestStatus
+from specdec.request import Request
 
 if TYPE_CHECKING:
     from grammars.base import GrammarBackend
@@ -70,6 +70,8 @@ class LLM:
     ) -> None:
         from specdec.zoo import resolve_model
 
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
         spec = SpeculativeConfig.from_any(speculative_config)
         torch_dtype = resolve_dtype(dtype)
         cache_config = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes)
@@ -268,24 +270,30 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
         """Like :meth:`generate`, but yields after every engine step, once per prompt that got new
-        tokens; ``outputs[i].new_token_ids`` holds the tokens added since its previous chunk."""
+        tokens or finished; ``outputs[i].new_token_ids`` holds the tokens added since its previous chunk.
+
+        Tokens are tracked per request, so nothing is lost if other calls step the engine while the
+        consumer holds the iterator: the next chunk carries everything new since the last one, and every
+        prompt's last chunk has ``finished=True`` (``finish_reason`` "abort" when it was aborted).
+        """
         added = self._add_all(prompts, sampling_params)
-        groups = {reqs[0].request_id: (text, reqs) for text, reqs in added}
-        owner = {r.request_id: reqs[0].request_id for _, reqs in added for r in reqs}
-        pending = dict(groups)
+        pending = {reqs[0].request_id: (text, reqs) for text, reqs in added}
         try:
-            while pending and self.engine.has_unfinished_requests():
-                stepped = dict.fromkeys(
-                    owner[r.request_id] for r in self.engine.step() if r.request_id in owner
-                )
-                for gid in stepped:
-                    yield self._output(groups[gid][0], groups[gid][1], delta=True)
+            while pending:
+                stepping = self.engine.has_unfinished_requests()
+                if stepping:
+                    self.engine.step()
+                progressed = False
                 for gid, (text, reqs) in list(pending.items()):
-                    if all(r.status.finished for r in reqs):
+                    finished = all(r.status.finished for r in reqs)
+                    fresh = any(r.num_output_tokens > r.num_streamed_tokens for r in reqs)
+                    if finished:
                         del pending[gid]
-                        aborted = any(r.status is RequestStatus.FINISHED_ABORTED for r in reqs)
-                        if aborted:  # aborted between steps: one final chunk
-                            yield self._output(text, reqs, delta=True)
+                    if fresh or finished:
+                        progressed = True
+                        yield self._output(text, reqs, delta=True)
+                if not stepping and not progressed:  # cannot happen: unfinished requests are stepped
+                    raise RuntimeError(f"stream stalled with {len(pending)} unfinished prompts")
         finally:
             # A consumer that stops iterating abandons its requests: free them.
             for _, reqs in pending.values():

@@ -383,3 +383,18 @@ def test_chat_rejects_malformed_messages(smollm2_dir):
     assert not llm.engine.has_unfinished_requests()
     out = llm.chat([{"role": "user", "content": "Hi"}], sp)[0]
     assert len(out.outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"seed": "x"}, "seed must be an integer"),
+        ({"device": "tpu"}, "device must be"),
+        ({"device": "cuda:0"} if not torch.cuda.is_available() else {"device": "bogus"}, "device"),
+    ],
+)
+def test_bad_engine_arguments_are_config_errors(tiny_model_dirs, kwargs, match):
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        LLM(tiny_model_dirs["llama-gqa3-tied"], skip_tokenizer_init=True, **kwargs)

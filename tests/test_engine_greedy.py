@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -173,4 +175,30 @@ def test_stream_abort_gives_a_final_chunk_and_abandoned_streams_free_their_reque
     next(it)
     it.close()
     assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_a_paused_stream_loses_nothing_when_other_calls_step_the_engine(tiny_model_dirs):
+    d = tiny_model_dirs["llama-mha-untied"]
+    llm = LLM(d, skip_tokenizer_init=True)
+    p, q = [{"prompt_token_ids": x} for x in _tiny_prompts(128, [5, 9])]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = llm.generate(p, sp)[0].outputs[0].token_ids
+    stream = llm.stream(p, sp)
+    chunks = [next(stream)]
+    llm.generate(q, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))  # finishes p as well
+    chunks.extend(stream)
+    assert [t for c in chunks for t in c.outputs[0].new_token_ids] == expected
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    # Two interleaved streams: each sees all of its tokens and its final chunk.
+    a, b = llm.stream(p, sp), llm.stream(q, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    got: dict[str, list] = {"a": [], "b": []}
+    for name, it in itertools.islice(itertools.cycle([("a", a), ("b", b)]), 100):  # bounded
+        chunk = next(it, None)
+        if chunk is not None:
+            got[name].append(chunk)
+        if got["a"] and got["a"][-1].finished and got["b"] and got["b"][-1].finished:
+            break
+    assert [t for c in got["a"] for t in c.outputs[0].new_token_ids] == expected
+    assert sum(len(c.outputs[0].new_token_ids) for c in got["b"]) == 4
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks

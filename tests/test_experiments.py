@@ -304,6 +304,10 @@ def test_wrong_type_fails_clearly(hydra_conf):
         ("sampling.temperature=-1", "temperature"),
         ("sampling.top_p=0", r"sampling: top_p must be in \(0, 1\]"),
         ("sampling.top_k=-2", "sampling: top_k"),
+        # A group's name field relabels the run without changing it: refused, naming the group to choose.
+        ("drafter.method=draft_model", r"drafter\.method='draft_model' contradicts the chosen group"),
+        ("dataset.name=humaneval", r"dataset\.name='humaneval' contradicts"),
+        ("logger.name=wandb", r"logger\.name='wandb' contradicts"),
         ("sampling.repetition_penalty=0", "sampling: repetition_penalty"),
         ("drafter.num_speculative_tokens=0", "num_speculative_tokens"),
         ("drafter.prompt_lookup_min=5", "prompt_lookup_min"),

@@ -155,3 +155,18 @@ def test_greedy_with_repetition_penalty_equals_transformers(smollm2_dir):
     assert out.outputs[0].token_ids == ref
     (plain,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=32))
     assert plain.outputs[0].token_ids != ref  # the penalty changed the output
+
+
+def test_numpy_scalars_are_accepted_as_their_python_values():
+    import numpy as np
+
+    from sampling import BeamSearchParams
+
+    p = SamplingParams(
+        top_k=np.int64(5), max_tokens=np.int32(8), temperature=np.float32(0.5), seed=np.int64(3)
+    )
+    assert (p.top_k, p.max_tokens, p.temperature, p.seed) == (5, 8, 0.5, 3)
+    assert type(p.top_k) is int and type(p.temperature) is float
+    assert BeamSearchParams(beam_width=np.int64(2), max_tokens=np.int64(4)).beam_width == 2
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        SamplingParams(top_k=np.float64(2.0))
