@@ -44,6 +44,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.config import BenchConfig, config_to_dict, register_configs, to_bench_config
+from experiments.tables import format_cell
 from experiments.tracking import (
     NullTracker,
     Tracker,
@@ -387,16 +388,6 @@ def _derive(rows: list[dict[str, Any]], floor_b1: float | None) -> None:
         )
 
 
-def _cell(v: Any, spec: str = ".2f", suffix: str = "") -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, float):
-        return f"{v:{spec}}{suffix}"
-    return f"{v}{suffix}"
-
-
 def format_table(result: dict[str, Any]) -> str:
     """The rows as a markdown table, then the floor's inputs."""
     k = result["config"]["num_speculative_tokens"]
@@ -419,14 +410,14 @@ def format_table(result: dict[str, Any]) -> str:
                     r["system"],
                     method,
                     "1 (alone)" if r["concurrency"] == 1 else str(r["concurrency"]),
-                    _cell(r["tokens_per_s"], ".1f"),
-                    _cell(r["speedup"], ".2f", "×"),
-                    _cell(r["tau"]),
-                    _cell(r["acceptance_rate"], ".3f"),
-                    _cell(r["ratio_vs_transformers"], ".2f", "×"),
-                    _cell(r["floor_tokens_per_s"], ".0f"),
-                    _cell(pct, ".0f", "%"),
-                    _cell(r.get("greedy_equal")),
+                    format_cell(r["tokens_per_s"], ".1f"),
+                    format_cell(r["speedup"], ".2f", "×"),
+                    format_cell(r["tau"]),
+                    format_cell(r["acceptance_rate"], ".3f"),
+                    format_cell(r["ratio_vs_transformers"], ".2f", "×"),
+                    format_cell(r["floor_tokens_per_s"], ".0f"),
+                    format_cell(pct, ".0f", "%"),
+                    format_cell(r.get("greedy_equal")),
                 ]
             )
             + " |"

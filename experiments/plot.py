@@ -38,6 +38,8 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from experiments.tables import format_cell
+
 logger = logging.getLogger("experiments.plot")
 
 FORMATS = ("png", "svg")
@@ -525,16 +527,6 @@ def plot_drafters(runs: Sequence[Run], out_dir: Path, formats: Sequence[str] = F
 
 
 # ------------------------------------------------------------------------------------------ table
-def _cell(v: Any, spec: str = ".2f", suffix: str = "") -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, float):
-        return f"{v:{spec}}{suffix}"
-    return f"{v}{suffix}"
-
-
 def results_table(runs: Sequence[Run], root: Path | None = None) -> tuple[str, list[dict[str, Any]]]:
     """A markdown table with one row per run, and its rows as dicts."""
     columns = [
@@ -598,7 +590,7 @@ def results_table(runs: Sequence[Run], root: Path | None = None) -> tuple[str, l
         "|" + "|".join("---" for _ in columns) + "|",
     ]
     for row in rows:
-        cells = [_cell(row[k], fmt.get(k, ".2f"), suffix.get(k, "")) for k, _ in columns]
+        cells = [format_cell(row[k], fmt.get(k, ".2f"), suffix.get(k, "")) for k, _ in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", rows
 

@@ -63,6 +63,7 @@ from experiments.config import (
     to_experiment_config,
 )
 from experiments.datasets import Prompt, load_prompts
+from experiments.tables import format_cell
 from experiments.tracking import (
     NullTracker,
     Tracker,
@@ -582,16 +583,6 @@ def run_experiment(
 
 
 # ------------------------------------------------------------------------------------- reporting
-def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:{spec}}{suffix}"
-    return f"{value}{suffix}"
-
-
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as text tables: the overall comparison, then one row per category (when several)."""
     cfg = summary["config"]
@@ -608,13 +599,17 @@ def format_summary(summary: dict[str, Any]) -> str:
     spec_col = drafter if drafter != "none" else "speculative"
     per_pos = summary["accepted_per_position"]
     rows = [
-        ("tokens generated", _fmt(summary["tokens_baseline"]), _fmt(summary["tokens_spec"])),
-        ("time (s)", _fmt(summary["time_s_baseline"]), _fmt(summary["time_s_spec"])),
-        ("tokens/s", _fmt(summary["tokens_per_s_baseline"]), _fmt(summary["tokens_per_s_spec"])),
-        ("speedup", "", _fmt(summary["speedup"], suffix="x")),
-        ("speedup (median over prompts)", "", _fmt(summary["speedup_median"], suffix="x")),
-        ("tau (mean acceptance length)", "", _fmt(summary["mean_acceptance_length"])),
-        ("acceptance rate", "", _fmt(summary["acceptance_rate"], ".3f")),
+        ("tokens generated", format_cell(summary["tokens_baseline"]), format_cell(summary["tokens_spec"])),
+        ("time (s)", format_cell(summary["time_s_baseline"]), format_cell(summary["time_s_spec"])),
+        (
+            "tokens/s",
+            format_cell(summary["tokens_per_s_baseline"]),
+            format_cell(summary["tokens_per_s_spec"]),
+        ),
+        ("speedup", "", format_cell(summary["speedup"], suffix="x")),
+        ("speedup (median over prompts)", "", format_cell(summary["speedup_median"], suffix="x")),
+        ("tau (mean acceptance length)", "", format_cell(summary["mean_acceptance_length"])),
+        ("acceptance rate", "", format_cell(summary["acceptance_rate"], ".3f")),
         (
             "accepted per position",
             "",
@@ -623,7 +618,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         (
             "greedy_equal",
             "",
-            _fmt(summary["greedy_equal"])
+            format_cell(summary["greedy_equal"])
             + (
                 f" ({summary['num_greedy_mismatches']}/{summary['num_prompts']} outputs differ)"
                 if summary["greedy_equal"] is False
@@ -647,12 +642,12 @@ def format_summary(summary: dict[str, Any]) -> str:
             (
                 cat,
                 str(m["num_prompts"]),
-                _fmt(m["tokens_per_s_baseline"], ".1f"),
-                _fmt(m["tokens_per_s_spec"], ".1f"),
-                _fmt(m["speedup"], suffix="x"),
-                _fmt(m["mean_acceptance_length"]),
-                _fmt(m["acceptance_rate"], ".3f"),
-                _fmt(m["greedy_equal"]),
+                format_cell(m["tokens_per_s_baseline"], ".1f"),
+                format_cell(m["tokens_per_s_spec"], ".1f"),
+                format_cell(m["speedup"], suffix="x"),
+                format_cell(m["mean_acceptance_length"]),
+                format_cell(m["acceptance_rate"], ".3f"),
+                format_cell(m["greedy_equal"]),
             )
             for cat, m in per_cat.items()
         ]

@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import (
-    LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -33,6 +32,7 @@ from sampling.processors import (
     process_logits,
 )
 from sampling.sampler import sample
+from tests.hf_reference import hf_processors
 
 V = 64
 
@@ -182,24 +182,6 @@ def test_min_tokens_bans_stop_tokens_like_transformers():
     assert torch.equal(ours[1], logits[1])  # two outputs generated: min_tokens = 2 is met
 
 
-def hf_pipeline(p: SamplingParams, input_ids: list[int], num_prompt: int) -> LogitsProcessorList:
-    """transformers' ``generate`` order for the parameters specdec shares with it."""
-    procs = LogitsProcessorList()
-    if p.repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
-    if p.min_tokens:
-        procs.append(MinNewTokensLengthLogitsProcessor(num_prompt, p.min_tokens, [2]))
-    if not p.greedy:
-        procs.append(TemperatureLogitsWarper(p.temperature))
-        if p.top_k > 0:
-            procs.append(TopKLogitsWarper(p.top_k))
-        if p.top_p < 1:
-            procs.append(TopPLogitsWarper(p.top_p))
-        if p.min_p > 0:
-            procs.append(MinPLogitsWarper(p.min_p))
-    return procs
-
-
 def test_a_batch_where_every_row_has_different_parameters_equals_transformers_row_by_row():
     params = [
         SamplingParams(temperature=0.7, top_k=5),
@@ -216,7 +198,7 @@ def test_a_batch_where_every_row_has_different_parameters_equals_transformers_ro
     groups = [RowGroup(p, s, 3, stop_token_ids={2}) for p, s in zip(params, seq)]
     ours = process_logits(logits, build_sampling_metadata(groups, V))
     for r, p in enumerate(params):
-        theirs = hf_pipeline(p, seq[r], 3)(torch.tensor([seq[r]]), logits[r : r + 1].clone())
+        theirs = hf_processors(p, 3)(torch.tensor([seq[r]]), logits[r : r + 1].clone())
         assert_same(ours[r : r + 1], theirs)
 
 

@@ -6,16 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from sampling.params import SamplingParams
 from specdec import LLM
+from tests.hf_reference import hf_processors
 
 PROMPT = [5, 17, 33, 48, 9, 70, 5, 17, 33]
 
@@ -27,15 +21,7 @@ def hf_logprobs(model, prompt: list[int], output: list[int], params: SamplingPar
     rows = []
     for i in range(len(output)):
         ids = torch.tensor([prompt + output[:i]])
-        procs = LogitsProcessorList()
-        if params.repetition_penalty != 1.0:
-            procs.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
-        if not params.greedy:
-            procs.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k > 0:
-                procs.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1:
-                procs.append(TopPLogitsWarper(params.top_p))
+        procs = hf_processors(params, len(prompt))
         rows.append(torch.log_softmax(procs(ids, logits[i : i + 1].clone()), dim=-1)[0])
     return torch.stack(rows)
 
