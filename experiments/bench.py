@@ -48,9 +48,9 @@ from experiments.tables import format_cell
 from experiments.tracking import (
     NullTracker,
     Tracker,
-    make_tracker,
     pick_device,
     run_info,
+    run_tracked,
     write_run_files,
 )
 
@@ -567,25 +567,11 @@ def main(dcfg: DictConfig) -> dict[str, Any]:
     and save the table."""
     from hydra.core.hydra_config import HydraConfig
 
-    from experiments.tracking import git_commit, hydra_run_names, package_versions
-
     cfg = to_bench_config(dcfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    name, group = hydra_run_names()
-    tracker = make_tracker(
-        cfg.logger,
-        out_dir,
-        {**config_to_dict(cfg), "git": git_commit(), "versions": package_versions()},
-        job_type="bench",
-        name=name,
-        group=group,
+    result = run_tracked(
+        cfg, out_dir, lambda tracker: run_bench(cfg, out_dir=out_dir, tracker=tracker), "bench"
     )
-    exit_code = 1
-    try:
-        result = run_bench(cfg, out_dir=out_dir, tracker=tracker)
-        exit_code = 0
-    finally:
-        tracker.finish(exit_code)
     print(result["table"])
     print(f"results in {out_dir}")
     return {"rows": result["rows"], "floor": result["floor"]}

@@ -67,12 +67,9 @@ from experiments.tables import format_cell
 from experiments.tracking import (
     NullTracker,
     Tracker,
-    git_commit,
-    hydra_run_names,
-    make_tracker,
-    package_versions,
     pick_device,
     run_info,
+    run_tracked,
     write_run_files,
 )
 
@@ -675,20 +672,7 @@ def main(dcfg: DictConfig) -> dict[str, Any]:
 
     cfg = to_experiment_config(dcfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    name, group = hydra_run_names()
-    tracker = make_tracker(
-        cfg.logger,
-        out_dir,
-        {**config_to_dict(cfg), "git": git_commit(), "versions": package_versions()},
-        name=name,
-        group=group,
-    )
-    exit_code = 1
-    try:
-        summary = run_experiment(cfg, out_dir=out_dir, tracker=tracker)
-        exit_code = 0
-    finally:
-        tracker.finish(exit_code)
+    summary = run_tracked(cfg, out_dir, lambda tracker: run_experiment(cfg, out_dir=out_dir, tracker=tracker))
     print(format_summary(summary))
     print(f"wall time {summary['wall_time_s']:.1f} s; results in {out_dir}")
     return {k: v for k, v in summary.items() if k not in ("git", "versions", "environment")}

@@ -20,12 +20,14 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from experiments.config import LoggerConfig, WandbLoggerConfig
+
+T = TypeVar("T")
 
 #: Distributions whose versions every run records (absent ones are recorded as null).
 RECORDED_DISTRIBUTIONS = (
@@ -282,6 +284,29 @@ def make_tracker(
     if isinstance(cfg, WandbLoggerConfig):
         return WandbTracker(cfg, run_dir, config, job_type=job_type, name=name, group=group)
     return NullTracker()
+
+
+def run_tracked(cfg: Any, run_dir: Path, job: Callable[[Tracker], T], job_type: str = "experiment") -> T:
+    """Run ``job(tracker)`` inside the tracker of ``cfg.logger`` (config with git commit and package
+    versions; in a multirun named by the job's overrides) and finish it, with exit code 1 on failure."""
+    from experiments.config import config_to_dict
+
+    name, group = hydra_run_names()
+    tracker = make_tracker(
+        cfg.logger,
+        run_dir,
+        {**config_to_dict(cfg), "git": git_commit(), "versions": package_versions()},
+        job_type=job_type,
+        name=name,
+        group=group,
+    )
+    exit_code = 1
+    try:
+        result = job(tracker)
+        exit_code = 0
+    finally:
+        tracker.finish(exit_code)
+    return result
 
 
 def hydra_run_names() -> tuple[str | None, str | None]:
