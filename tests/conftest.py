@@ -54,6 +54,31 @@ def make_tiny_hf_model(
     return model.float().eval()
 
 
+def save_target_and_draft(root: Path, vocab_size: int, target_seed: int, draft_seed: int):
+    """Two tiny random Llamas (4 heads, 2 KV heads, untied) saved as ``root / "target"`` and
+    ``root / "draft"``, for the distribution tests; returns the target (transformers, float32)."""
+    target = make_tiny_hf_model("llama", 4, 2, False, vocab_size=vocab_size, seed=target_seed)
+    draft = make_tiny_hf_model("llama", 4, 2, False, vocab_size=vocab_size, seed=draft_seed)
+    target.save_pretrained(root / "target", safe_serialization=True)
+    draft.save_pretrained(root / "draft", safe_serialization=True)
+    return target
+
+
+def first_three_logits(
+    model, prompt: list[int], vocab_size: int, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits for t1 ``[V]``, t2 given t1 ``[V, V]`` and t3 given t1, t2 ``[V, V, V]`` after
+    ``prompt``, from one forward in ``dtype`` over every ``prompt + [a, b]``."""
+    import copy
+
+    m = copy.deepcopy(model).to(dtype)
+    n, v = len(prompt), vocab_size
+    seqs = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])  # row a * V + b
+    with torch.no_grad():
+        logits = m(seqs).logits
+    return logits[0, n - 1], logits[::v, n], logits[:, n + 1].reshape(v, v, v)
+
+
 @pytest.fixture(scope="module")
 def fast_cpu_settings():
     """For tests of many tiny tensors: one intra-op thread (threads only add overhead, ~100x on a loaded

@@ -27,15 +27,13 @@ than 5,000 (the scheduler's admission is quadratic in the number of running requ
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
 
 from sampling.params import SamplingParams
 from specdec import LLM
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import first_three_logits, save_target_and_draft
 from tests.stats import ALPHA, GofResult, assert_differs, counts_of, goodness_of_fit
 from tests.test_rejection_sampler import AcceptEverything, RecoverFromTarget
 
@@ -57,27 +55,14 @@ pytestmark = pytest.mark.usefixtures("fast_cpu_settings")
 def setup(tmp_path_factory):
     """Model directories, exact joint distributions per temperature, and the greedy chain."""
     root = tmp_path_factory.mktemp("spec_dist")
-    target = make_tiny_hf_model("llama", 4, 2, False, vocab_size=V, seed=TARGET_SEED)
-    draft = make_tiny_hf_model("llama", 4, 2, False, vocab_size=V, seed=DRAFT_SEED)
-    target.save_pretrained(root / "target", safe_serialization=True)
-    draft.save_pretrained(root / "draft", safe_serialization=True)
-    target_logits = first_three_logits(target)
+    target = save_target_and_draft(root, V, TARGET_SEED, DRAFT_SEED)
+    target_logits = first_three_logits(target, PROMPT, V)
     exact = {t: exact_joint(target_logits, t) for t in TEMPERATURES}
     l1, l2, l3 = target_logits
     a = int(l1.argmax())
     b = int(l2[a].argmax())
     c = int(l3[a, b].argmax())
     return {"target": root / "target", "draft": root / "draft", "exact": exact, "greedy": [a, b, c]}
-
-
-def first_three_logits(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 logits for t1 ``[V]``, t2 given t1 ``[V, V]`` and t3 given t1, t2 ``[V, V, V]``."""
-    m = copy.deepcopy(model).double()
-    n = len(PROMPT)
-    seqs = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])  # row a * V + b
-    with torch.no_grad():
-        logits = m(seqs).logits
-    return logits[0, n - 1], logits[::V, n], logits[:, n + 1].reshape(V, V, V)
 
 
 def exact_joint(logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor], temperature: float) -> np.ndarray:

@@ -24,7 +24,6 @@ Negative control: the engine building its verification rows without the earlier 
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -44,7 +43,7 @@ from transformers.generation.logits_process import (
 from sampling.params import SamplingParams
 from sampling.processors import RowGroup
 from specdec import LLM
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import first_three_logits, save_target_and_draft
 from tests.stats import ALPHA, assert_differs, counts_of, goodness_of_fit
 
 V = 8
@@ -106,12 +105,7 @@ def processed_probs(logits: torch.Tensor, prefix: list[int], fields: dict[str, A
 
 def exact_tables(model, dtype: torch.dtype) -> dict[str, np.ndarray]:
     """Per configuration the joint ``[V, V, V]`` of the first three tokens; greedy chains as ``[3]``."""
-    m = copy.deepcopy(model).to(dtype)
-    n = len(PROMPT)
-    seqs = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
-    with torch.no_grad():
-        logits = m(seqs).logits
-    l1, l2, l3 = logits[0, n - 1], logits[::V, n], logits[:, n + 1].reshape(V, V, V)
+    l1, l2, l3 = first_three_logits(model, PROMPT, V, dtype)
     out: dict[str, np.ndarray] = {}
     for name, fields in CONFIGS.items():
         p1 = processed_probs(l1, PROMPT, fields)
@@ -133,10 +127,7 @@ def exact_tables(model, dtype: torch.dtype) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec_proc_dist")
-    target = make_tiny_hf_model("llama", 4, 2, False, vocab_size=V, seed=TARGET_SEED)
-    draft = make_tiny_hf_model("llama", 4, 2, False, vocab_size=V, seed=DRAFT_SEED)
-    target.save_pretrained(root / "target", safe_serialization=True)
-    draft.save_pretrained(root / "draft", safe_serialization=True)
+    target = save_target_and_draft(root, V, TARGET_SEED, DRAFT_SEED)
     exact = exact_tables(target, torch.float64)
     rough = exact_tables(target, torch.float32)
     for name in CONFIGS:  # same support in float32 and float64: no decision is a rounding accident

@@ -20,7 +20,6 @@ as ``draft_probs`` must fail.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import os
 import re
@@ -30,7 +29,7 @@ import torch
 
 from sampling.params import SamplingParams
 from specdec import LLM
-from tests.conftest import make_tiny_hf_model
+from tests.conftest import first_three_logits, save_target_and_draft
 from tests.stats import ALPHA, assert_differs, counts_of, goodness_of_fit
 
 VOCAB = ["a", "b", "</s>", "c", "d", "ab", "ba", "cd"]
@@ -82,18 +81,10 @@ def allowed_mask(text: str, prefixes: set[str]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("structured_dist")
-    target = make_tiny_hf_model("llama", 4, 2, False, vocab_size=V, seed=TARGET_SEED)
-    draft = make_tiny_hf_model("llama", 4, 2, False, vocab_size=V, seed=DRAFT_SEED)
-    target.save_pretrained(root / "target", safe_serialization=True)
-    draft.save_pretrained(root / "draft", safe_serialization=True)
+    target = save_target_and_draft(root, V, TARGET_SEED, DRAFT_SEED)
     save_tokenizer(root / "target")
     prefixes = match_prefixes()
-    m = copy.deepcopy(target).double()
-    n = len(PROMPT)
-    seqs = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
-    with torch.no_grad():
-        logits = m(seqs).logits
-    l1, l2, l3 = logits[0, n - 1], logits[::V, n], logits[:, n + 1].reshape(V, V, V)
+    l1, l2, l3 = first_three_logits(target, PROMPT, V)
     masks1 = allowed_mask("", prefixes)
     exact = {}
     for t in TEMPERATURES:
