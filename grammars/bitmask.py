@@ -6,7 +6,8 @@ says whether token ``32 * w + j`` is allowed (1) or not (0). This is the layout 
 token bitmasks, 32× smaller than a bool mask, so a CPU-filled mask is cheap to ship to an accelerator.
 Bits at positions ``>= vocab_size`` in the last word are padding and are ignored by every reader.
 
-:func:`apply_token_bitmask` is the pure-torch reference; a Triton kernel must match it exactly.
+:func:`apply_token_bitmask_torch` is the pure-torch reference; the Triton kernel
+(:mod:`kernels.token_bitmask`) must match it exactly, and :func:`apply_token_bitmask` uses it on CUDA.
 """
 
 from __future__ import annotations
@@ -150,7 +151,25 @@ def is_token_allowed(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Reference masking: disallowed tokens get ``-inf``; ``logits`` is not modified.
+    """Disallowed tokens get ``-inf``; ``logits`` is not modified. On CUDA the Triton kernel of
+    :mod:`kernels.token_bitmask` masks a copy (unless ``SPECDEC_FORCE_REFERENCE=1``); elsewhere
+    :func:`apply_token_bitmask_torch` runs. Arguments, result and errors: as the reference's.
+    """
+    if logits.is_cuda and logits.dim() == 2 and logits.is_floating_point() and bitmask.dim() == 2:
+        from kernels._triton import use_triton
+
+        if bitmask.shape[0] == logits.shape[0] and use_triton(logits, bitmask):
+            from kernels.token_bitmask import apply_token_bitmask_inplace_triton
+
+            _check_bitmask(bitmask, logits.shape[1])
+            out = logits.clone(memory_format=torch.contiguous_format)
+            apply_token_bitmask_inplace_triton(out, bitmask.contiguous())
+            return out
+    return apply_token_bitmask_torch(logits, bitmask)
+
+
+def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Reference masking in pure torch: disallowed tokens get ``-inf``; ``logits`` is not modified.
 
     Args:
         logits: float ``[rows, V]`` (any floating dtype, any device).

@@ -55,6 +55,15 @@ class RejectionSampler:
     rounding can reach this branch), the recovered token is drawn from ``target_probs[j]`` instead.
     This keeps the output free of NaN and of zero-probability tokens and changes the output
     distribution only on an event of probability zero in exact arithmetic.
+
+    Execution: on CUDA the whole batch goes through one flattened op,
+    :func:`kernels.rejection_sample.rejection_sample` (a Triton kernel; its torch reference with
+    ``SPECDEC_FORCE_REFERENCE=1``), fed the random numbers drawn above in the same order, so the tokens
+    are those of the per-request definition (:meth:`_verify_greedy`, :meth:`_verify_random`), which
+    ``tests/kernels/test_rejection_sample.py`` checks exactly. On a CPU the per-request definition runs
+    (faster there at real vocabulary sizes: the flattened op needs the draft distributions copied into
+    one ``[num_drafts, vocab]`` tensor), as it does for a subclass that overrides :meth:`accept` or
+    :meth:`residual` (the tests' broken verifiers).
     """
 
     def verify(
@@ -85,6 +94,93 @@ class RejectionSampler:
         expected_rows = sum(len(d) + 1 for d in draft_token_ids)
         if target_probs.shape[0] != expected_rows:
             raise ValueError(f"target_probs has {target_probs.shape[0]} rows, drafts need {expected_rows}")
+        cls = type(self)
+        hooks_overridden = (
+            cls.accept is not RejectionSampler.accept or cls.residual is not RejectionSampler.residual
+        )
+        if target_probs.is_cuda and not hooks_overridden:
+            return self._verify_flat(
+                target_probs, draft_token_ids, draft_probs, greedy, generators, default_generator
+            )
+        return self._verify_per_request(
+            target_probs, draft_token_ids, draft_probs, greedy, generators, default_generator
+        )
+
+    @staticmethod
+    def _check_draft_probs(i: int, dp: torch.Tensor | None, m: int, vocab_size: int) -> None:
+        if dp is not None and tuple(dp.shape) != (m, vocab_size):
+            raise ValueError(f"draft_probs of request {i} has shape {tuple(dp.shape)}, expected {m} rows")
+
+    def _verify_flat(
+        self,
+        target_probs: torch.Tensor,
+        draft_token_ids: Sequence[Sequence[int]],
+        draft_probs: Sequence[torch.Tensor | None],
+        greedy: Sequence[bool],
+        generators: Sequence[torch.Generator | None],
+        default_generator: torch.Generator | None,
+    ) -> list[VerifyResult]:
+        """The batch as one :func:`kernels.rejection_sample.rejection_sample` call. Random numbers are
+        drawn per random request in the order of :meth:`_verify_random`: ``m`` uniforms, then one
+        exponential row (for its recovered or bonus token)."""
+        from kernels.rejection_sample import PLACEHOLDER, rejection_sample
+
+        device, vocab = target_probs.device, target_probs.shape[1]
+        counts = [len(d) for d in draft_token_ids]
+        num_reqs, num_drafts = len(counts), sum(counts)
+        cu = [0]
+        for m in counts:
+            cu.append(cu[-1] + m)
+        uniforms = torch.zeros(num_drafts, dtype=torch.float32, device=device)
+        noise = torch.ones(num_reqs, vocab, dtype=torch.float32, device=device)
+        dp_rows: list[torch.Tensor | None] = [None] * num_reqs
+        for i, m in enumerate(counts):
+            if greedy[i]:
+                continue
+            self._check_draft_probs(i, draft_probs[i], m, vocab)
+            dp_rows[i] = draft_probs[i]
+            gen = generators[i] if generators[i] is not None else default_generator
+            if m:
+                uniforms[cu[i] : cu[i + 1]] = torch.rand(m, generator=gen, device=device)
+            noise[i] = exponential_noise((1, vocab), [gen], gen, device)[0]
+        flat_dp: torch.Tensor | None = None
+        if any(dp is not None and dp.shape[0] for dp in dp_rows):
+            # Deterministic drafts as one-hot rows: max(0, p - onehot) is p with the draft zeroed and
+            # q = 1, exactly, for probabilities p <= 1. Greedy requests' rows are never read.
+            flat_dp = torch.zeros(num_drafts, vocab, dtype=torch.float32, device=device)
+            for i, dp in enumerate(dp_rows):
+                if dp is not None:
+                    flat_dp[cu[i] : cu[i + 1]] = dp
+                elif not greedy[i] and counts[i]:
+                    rows = torch.arange(cu[i], cu[i + 1], device=device)
+                    flat_dp[rows, torch.tensor(list(draft_token_ids[i]), device=device)] = 1.0
+        out = rejection_sample(
+            torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.int64, device=device),
+            torch.tensor(cu, dtype=torch.int64, device=device),
+            flat_dp,
+            target_probs,
+            uniforms,
+            noise,
+            torch.tensor(list(greedy), dtype=torch.bool, device=device),
+            max(counts, default=0),
+        )
+        results = []
+        for row in out.tolist():
+            tokens = [t for t in row if t != PLACEHOLDER]
+            results.append(VerifyResult(tokens, len(tokens) - 1))
+        return results
+
+    def _verify_per_request(
+        self,
+        target_probs: torch.Tensor,
+        draft_token_ids: Sequence[Sequence[int]],
+        draft_probs: Sequence[torch.Tensor | None],
+        greedy: Sequence[bool],
+        generators: Sequence[torch.Generator | None],
+        default_generator: torch.Generator | None,
+    ) -> list[VerifyResult]:
+        """The definition, one request at a time, through :meth:`accept`, :meth:`residual` and
+        :meth:`_race`."""
         results: list[VerifyResult] = []
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         argmax = target_probs.argmax(dim=-1).tolist() if greedy_rows else []
@@ -95,10 +191,7 @@ class RejectionSampler:
                 results.append(self._verify_greedy(list(drafts), argmax[start : start + m + 1]))
             else:
                 dp = draft_probs[i]
-                if dp is not None and tuple(dp.shape) != (m, target_probs.shape[1]):
-                    raise ValueError(
-                        f"draft_probs of request {i} has shape {tuple(dp.shape)}, expected {m} rows"
-                    )
+                self._check_draft_probs(i, dp, m, target_probs.shape[1])
                 gen = generators[i] if generators[i] is not None else default_generator
                 results.append(
                     self._verify_random(target_probs[start : start + m + 1], list(drafts), dp, gen)
