@@ -128,6 +128,66 @@ class DraftModelDrafterConfig(DrafterConfig):
         }
 
 
+#: Static-tree and dynamic-tree settings of the learned-head drafters (``SpeculativeConfig.tree``).
+HEAD_TREES = (None, "static", "dynamic")
+
+
+@dataclass
+class HeadDrafterConfig(DrafterConfig):
+    """Base of the learned-head drafters (Medusa, EAGLE), whose heads ``experiments.train`` trains.
+
+    Attributes:
+        num_speculative_tokens: the chain's length, or the tree's greatest depth.
+        model: a head name (a folder of ``specdec/heads``) or a checkpoint directory; None: the built-in
+            heads of the target, ``<target>-<method>`` (e.g. ``smollm2-135m-instruct-eagle``).
+        tree: None (a chain), ``static`` (the index paths of ``tree_choices``) or ``dynamic`` (EAGLE-2:
+            expand the ``tree_topk`` children of the likeliest nodes, keep ``max_tree_nodes``).
+        tree_choices: a static tree as Medusa-style index paths (``[[0], [1], [0, 0], ...]``: path
+            ``[i, j]`` is the j-th candidate of the second draft position under the i-th of the first);
+            None: the default tree of the heads.
+        tree_topk: children per expanded node of a dynamic tree.
+        max_tree_nodes: most draft tokens in a tree.
+    """
+
+    method: str = MISSING
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    tree: str | None = None
+    tree_choices: list[list[int]] | None = None
+    tree_topk: int = 4
+    max_tree_nodes: int = 16
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """``{"method": "medusa" | "eagle", ...}`` for ``specdec.LLM``."""
+        return {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "model": self.model,
+            "tree": self.tree,
+            "tree_choices": None if self.tree_choices is None else [list(p) for p in self.tree_choices],
+            "tree_topk": self.tree_topk,
+            "max_tree_nodes": self.max_tree_nodes,
+        }
+
+
+@dataclass
+class MedusaDrafterConfig(HeadDrafterConfig):
+    """Medusa-1 heads (Cai et al. 2024) on the target's last hidden state: head k drafts the token k + 1
+    steps ahead, a chain or a static tree of their top candidates."""
+
+    method: str = "medusa"
+    num_speculative_tokens: int = 4
+
+
+@dataclass
+class EagleDrafterConfig(HeadDrafterConfig):
+    """The EAGLE head (Li et al. 2024): one decoder layer, autoregressive in the target's feature space;
+    a chain or a dynamic tree (EAGLE-2)."""
+
+    method: str = "eagle"
+    num_speculative_tokens: int = 4
+
+
 # ----------------------------------------------------------------------------------------- dataset
 @dataclass
 class DatasetConfig:
@@ -483,13 +543,128 @@ class BenchConfig:
         return None
 
 
+# ------------------------------------------------------------------------------------------- train
+@dataclass
+class TrainDataConfig:
+    """Self-distillation data of ``experiments.train``: prompts, the target's responses and features.
+
+    Attributes:
+        builtin_limit: built-in (standard-library) prompts used (None: all of them).
+        chat_limit: built-in chat prompts used (None: all; see :func:`experiments.datasets.load_chat`).
+        max_prompt_chars: cap on a built-in prompt's user message, in characters.
+        prompt_seed: seed of both prompt sets.
+        heldout_fraction: share of prompts held out for evaluation, chosen by a hash of the prompt id
+            (so a prompt's side never depends on the other prompts).
+        max_new_tokens: most tokens of a response.
+        temperature: 0 is greedy; above 0 samples ``n`` responses per prompt.
+        n: responses per prompt (1 when greedy).
+        seed: sampling seed (prompt i uses ``seed + i``).
+        max_num_seqs: requests the engine runs at once while generating.
+        max_num_batched_tokens: token budget of one engine forward while generating.
+        feature_batch_tokens: tokens of one target forward when the features are computed.
+        cache_dir: where the data is cached (None: ``<specdec cache>/train``).
+    """
+
+    builtin_limit: int | None = None
+    chat_limit: int | None = None
+    max_prompt_chars: int = 1200
+    prompt_seed: int = 0
+    heldout_fraction: float = 0.1
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    n: int = 1
+    seed: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    feature_batch_tokens: int = 4096
+    cache_dir: str | None = None
+
+
+@dataclass
+class TrainOptions:
+    """How the heads are trained, saved and evaluated.
+
+    Attributes:
+        time_budget_s: wall-clock budget of the optimisation (None: no limit; then ``epochs`` must be set).
+        epochs: most passes over the training data (None: until the time budget is spent).
+        lr, weight_decay, warmup_steps, min_lr_ratio, grad_clip: AdamW, linear warm-up, then cosine
+            decay to ``min_lr_ratio * lr`` over the budget (time or epochs, whichever ends first).
+        batch_tokens: response positions per step (Medusa), or tokens of the packed sequences per
+            step (EAGLE).
+        medusa_num_heads: Medusa heads K (head k predicts the token k + 1 steps ahead).
+        eagle_ce_weight: weight of the cross-entropy term of the EAGLE loss (EAGLE-1: 0.1).
+        eagle_noise: half-width of the uniform noise added to the EAGLE head's input features
+            (EAGLE-1's augmentation; 0: none).
+        eagle_unroll: EAGLE steps trained: 1 (teacher forcing) or 2 (the second step reads the head's
+            own first prediction, as when drafting a chain).
+        eval_interval_s: held-out evaluation every this many seconds of training.
+        eval_max_positions: positions (Medusa) or tokens (EAGLE) of the periodic held-out evaluations;
+            the final one covers the whole held-out split.
+        log_every: log the training loss every this many steps.
+        seed: initialisation and data order.
+        torch_threads: ``torch.set_num_threads`` for the job (None: torch's default).
+        device: where everything runs.
+        install: write the heads to ``specdec/heads/<target>-<method>`` (loadable by name).
+        out_dir: where the heads go (None: as ``install`` says, else ``<run dir>/<target>-<method>``).
+        eval: after training, measure tau on held-out prompts with ``specdec.LLM`` and the new heads.
+        eval_prompts: held-out prompts of that evaluation.
+        eval_max_tokens: new tokens per prompt of that evaluation.
+    """
+
+    time_budget_s: float | None = 300.0
+    epochs: float | None = None
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    batch_tokens: int = 1024
+    medusa_num_heads: int = 4
+    eagle_ce_weight: float = 0.1
+    eagle_noise: float = 0.0
+    eagle_unroll: int = 1
+    eval_interval_s: float = 120.0
+    eval_max_positions: int = 2048
+    log_every: int = 10
+    seed: int = 0
+    torch_threads: int | None = 2
+    device: str = "cpu"
+    install: bool = False
+    out_dir: str | None = None
+    eval: bool = True
+    eval_prompts: int = 24
+    eval_max_tokens: int = 128
+
+
+@dataclass
+class TrainConfig:
+    """``python -m experiments.train``: distil Medusa or EAGLE heads from a target (``conf/train.yaml``).
+
+    Attributes:
+        model: the target (``model.dtype``: the dtype of generation and features).
+        drafter: ``medusa`` or ``eagle``; its speculative options are used by the evaluation.
+        logger: where losses and accuracies are logged.
+        data: the self-distillation data.
+        train: optimisation, output and evaluation.
+    """
+
+    model: ModelConfig = MISSING
+    drafter: DrafterConfig = MISSING
+    logger: LoggerConfig = MISSING
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)
+    train: TrainOptions = field(default_factory=TrainOptions)
+
+
 SCHEMAS: dict[tuple[str | None, str], type] = {
     (None, "experiment_schema"): ExperimentConfig,
     (None, "bench_schema"): BenchConfig,
+    (None, "train_schema"): TrainConfig,
     ("model", "model_schema"): ModelConfig,
     ("drafter", "none_schema"): NoDrafterConfig,
     ("drafter", "ngram_schema"): NgramDrafterConfig,
     ("drafter", "draft_model_schema"): DraftModelDrafterConfig,
+    ("drafter", "medusa_schema"): MedusaDrafterConfig,
+    ("drafter", "eagle_schema"): EagleDrafterConfig,
     ("dataset", "builtin_schema"): BuiltinDatasetConfig,
     ("dataset", "jsonl_schema"): JsonlDatasetConfig,
     ("dataset", "humaneval_schema"): HumanEvalDatasetConfig,
@@ -759,6 +934,117 @@ def to_bench_config(cfg: DictConfig) -> BenchConfig:
     """
     obj: BenchConfig = _to_object(cfg, BenchConfig, "bench_schema")
     validate_bench_config(obj)
+    return obj
+
+
+def validate_train_config(cfg: TrainConfig) -> None:
+    """The checks of ``experiments.train``'s config that a schema cannot express; run before any model
+    loads.
+
+    Raises:
+        ValueError: a drafter other than medusa/eagle, a relabelled group, a tree option that does not
+            exist, a non-positive count or budget, neither a time budget nor epochs, greedy with ``n`` > 1,
+            or an engine value ``specdec.LLM`` would reject.
+    """
+    d, data, t = cfg.drafter, cfg.data, cfg.train
+    if not isinstance(d, HeadDrafterConfig):
+        raise ValueError(f"drafter must be medusa or eagle for training, got drafter={d.method}")
+    for group, attr in (("drafter", "method"), ("logger", "name")):
+        obj = getattr(cfg, group)
+        expected, value = type(obj).__dataclass_fields__[attr].default, getattr(obj, attr)
+        if isinstance(expected, str) and value != expected:
+            raise ValueError(
+                f"{group}.{attr}={value!r} contradicts the chosen group ({group}: {expected}); choose the "
+                f"group instead ({group}={value})"
+            )
+    _check_logger(cfg.logger)
+    if not 1 <= d.num_speculative_tokens <= 16:
+        raise ValueError(f"drafter.num_speculative_tokens must be in [1, 16], got {d.num_speculative_tokens}")
+    if d.tree not in HEAD_TREES:
+        raise ValueError(f"drafter.tree must be null, static or dynamic, got {d.tree!r}")
+    if d.tree_topk < 1 or d.max_tree_nodes < 1:
+        raise ValueError(
+            "drafter.tree_topk and drafter.max_tree_nodes must be >= 1, got "
+            f"{d.tree_topk} and {d.max_tree_nodes}"
+        )
+    if isinstance(d, MedusaDrafterConfig) and d.num_speculative_tokens > t.medusa_num_heads:
+        raise ValueError(
+            f"drafter.num_speculative_tokens={d.num_speculative_tokens} needs as many Medusa heads, but "
+            f"train.medusa_num_heads={t.medusa_num_heads}"
+        )
+    for key, value in (
+        ("data.builtin_limit", data.builtin_limit),
+        ("data.chat_limit", data.chat_limit),
+    ):
+        if value is not None and value < 0:
+            raise ValueError(f"{key} must be >= 0 or null, got {value}")
+    for key, value in (
+        ("data.max_prompt_chars", data.max_prompt_chars),
+        ("data.max_new_tokens", data.max_new_tokens),
+        ("data.n", data.n),
+        ("data.max_num_seqs", data.max_num_seqs),
+        ("data.max_num_batched_tokens", data.max_num_batched_tokens),
+        ("data.feature_batch_tokens", data.feature_batch_tokens),
+        ("train.batch_tokens", t.batch_tokens),
+        ("train.medusa_num_heads", t.medusa_num_heads),
+        ("train.log_every", t.log_every),
+        ("train.eval_max_positions", t.eval_max_positions),
+        ("train.eval_prompts", t.eval_prompts),
+        ("train.eval_max_tokens", t.eval_max_tokens),
+    ):
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if not 0.0 <= data.heldout_fraction < 1.0:
+        raise ValueError(f"data.heldout_fraction must be in [0, 1), got {data.heldout_fraction}")
+    if data.temperature < 0:
+        raise ValueError(f"data.temperature must be >= 0, got {data.temperature}")
+    if data.temperature == 0 and data.n != 1:
+        raise ValueError(
+            f"data.n={data.n} needs sampling: greedy responses are all the same (set data.temperature)"
+        )
+    if t.time_budget_s is None and t.epochs is None:
+        raise ValueError("set train.time_budget_s or train.epochs (or both)")
+    if t.time_budget_s is not None and t.time_budget_s <= 0:
+        raise ValueError(f"train.time_budget_s must be > 0 or null, got {t.time_budget_s}")
+    if t.epochs is not None and t.epochs <= 0:
+        raise ValueError(f"train.epochs must be > 0 or null, got {t.epochs}")
+    if t.lr <= 0 or t.weight_decay < 0 or t.grad_clip <= 0 or t.warmup_steps < 0:
+        raise ValueError(
+            "train.lr and train.grad_clip must be > 0, train.weight_decay and train.warmup_steps >= 0"
+        )
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if t.eagle_unroll not in (1, 2):
+        raise ValueError(f"train.eagle_unroll must be 1 or 2, got {t.eagle_unroll}")
+    if t.eagle_ce_weight < 0 or t.eagle_noise < 0:
+        raise ValueError("train.eagle_ce_weight and train.eagle_noise must be >= 0")
+    if t.torch_threads is not None and t.torch_threads < 1:
+        raise ValueError(f"train.torch_threads must be >= 1 or null, got {t.torch_threads}")
+    try:
+        import torch
+
+        torch.device(t.device)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"train.device must be a torch device (cpu, cuda, cuda:1...), got {t.device!r}"
+        ) from None
+    from specdec.config import SchedulerConfig
+
+    try:
+        SchedulerConfig(data.max_num_batched_tokens, data.max_num_seqs)
+    except ValueError as err:
+        raise ValueError(f"data.{err}") from None
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """Convert a composed ``conf/train.yaml`` into a validated :class:`TrainConfig`.
+
+    Raises:
+        TypeError: the config was not composed from ``train_schema``.
+        ValueError: see :func:`validate_train_config`.
+    """
+    obj: TrainConfig = _to_object(cfg, TrainConfig, "train_schema")
+    validate_train_config(obj)
     return obj
 
 

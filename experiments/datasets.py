@@ -7,6 +7,10 @@ target's chat template.
   docstrings of :data:`BUILTIN_MODULES`, read with :mod:`inspect` and :mod:`ast`), wrapped in our own
   instructions in four categories (:data:`BUILTIN_CATEGORIES`). Most answers repeat code or text from
   the prompt, which is where n-gram (prompt-lookup) drafting pays off.
+- chat (:func:`load_chat`, no download): everyday chat requests from templates (:data:`CHAT_TEMPLATES`
+  over :data:`CHAT_TOPICS`): stories, poems, emails, explanations, tips, comparisons, arguments,
+  role-play and word problems, whose answers do not copy the prompt (Spec-Bench's writing, roleplay and
+  reasoning categories are of this kind). ``experiments.train`` distils draft heads on both sets.
 - ``jsonl``: Spec-Bench's ``question.jsonl``; the first turn of each question.
 - ``humaneval``: HumanEval's ``.jsonl.gz``; "Complete the following Python function".
 - ``synthetic``: token-id prompts (no tokenizer, no text): a repeated random pattern or uniform noise.
@@ -393,3 +397,126 @@ def load_builtin(limit: int | None = 12, seed: int = 0, max_prompt_chars: int = 
         if not added:
             break
     return prompts
+
+
+# ------------------------------------------------------------------------------------------- chat
+#: Everyday activities the chat templates are filled with (gerund phrases, so every template reads).
+CHAT_TOPICS = (
+    "growing tomatoes",
+    "saving money",
+    "learning a new language",
+    "walking a dog",
+    "planning a birthday party",
+    "cooking pasta",
+    "riding a bike in the city",
+    "keeping houseplants alive",
+    "going camping",
+    "recycling at home",
+    "getting better sleep",
+    "baking bread",
+    "starting a running routine",
+    "visiting a museum",
+    "packing for a trip",
+    "making friends at a new school",
+    "studying for exams",
+    "taking care of a cat",
+    "brewing coffee",
+    "writing a diary",
+    "playing chess",
+    "learning to swim",
+    "cleaning the kitchen",
+    "watching the stars",
+    "fixing a flat bicycle tire",
+    "reading before bed",
+    "drinking enough water",
+    "volunteering at an animal shelter",
+    "moving to a new city",
+    "preparing for a job interview",
+    "building a birdhouse",
+    "travelling by train",
+    "shopping at a farmers market",
+    "painting with watercolours",
+    "learning to play the guitar",
+    "hiking in the mountains",
+    "saving energy at home",
+    "organising a bookshelf",
+    "having a picnic",
+    "feeding birds in winter",
+)
+
+_NAMES = ("Maya", "Tom", "Lea", "Omar", "Sofia", "Ben", "Aiko", "Lucas", "Priya", "Noah")
+
+#: ``(category, template)``: the template's fields are ``topic``, ``other`` (another topic), ``name``,
+#: ``friend`` (two first names) and the integers ``a``, ``b``, ``c``, ``m``.
+CHAT_TEMPLATES = (
+    ("writing", "Write a short story (about 150 words) about {name} {topic} for the first time."),
+    ("writing", "Write a short poem about {topic}."),
+    (
+        "writing",
+        "Write a friendly email to my friend {friend} inviting them to try {topic} with me this weekend.",
+    ),
+    ("explain", "Explain {topic} to a seven-year-old child, in simple words."),
+    ("advice", "Give me five practical tips for {topic}."),
+    (
+        "brainstorm",
+        "What are the most common mistakes beginners make when {topic}, and how can they avoid them?",
+    ),
+    ("compare", "Compare {topic} with {other}: what do they have in common, and how are they different?"),
+    (
+        "argument",
+        "Some people say that {topic} is a waste of time. Summarise the strongest argument for that view "
+        "and the strongest argument against it, then give your own conclusion.",
+    ),
+    (
+        "roleplay",
+        "Pretend you are a cheerful grandparent who has loved {topic} all your life. Your grandchild asks "
+        "you how you got started. Answer in character.",
+    ),
+    (
+        "reasoning",
+        "{name} spends {a} minutes a day {topic} for {b} days, and {c} extra minutes on the last day. How "
+        "many minutes does {name} spend {topic} in total? Explain your reasoning step by step.",
+    ),
+    (
+        "reasoning",
+        "{name} and {friend} both enjoy {topic}. Last month {name} did it on {a} days and {friend} on {b} "
+        "days. If both keep the same pace, how many more days will {friend} have done it than {name} after "
+        "{m} months? Show your steps.",
+    ),
+)
+
+#: The chat categories, in the order the round-robin visits them.
+CHAT_CATEGORIES = tuple(dict.fromkeys(c for c, _ in CHAT_TEMPLATES))
+
+
+def _slug(text: str) -> str:
+    return "-".join(text.lower().split())
+
+
+def load_chat(limit: int | None = None, seed: int = 0) -> list[Prompt]:
+    """Deterministic chat-like prompts: every :data:`CHAT_TEMPLATES` entry filled with every topic of
+    :data:`CHAT_TOPICS` (440 prompts), the names and numbers drawn with ``random.Random(seed)``, in
+    round-robin order over :data:`CHAT_CATEGORIES` (so the first ``limit`` are a stratified sample).
+
+    Ids are ``chat/<category>/<template index>/<topic slug>``; they do not depend on ``seed``.
+    """
+    rng = random.Random(seed)
+    n = len(CHAT_TOPICS)
+    prompts: list[Prompt] = []
+    for i, (category, template) in enumerate(CHAT_TEMPLATES):
+        for j, topic in enumerate(CHAT_TOPICS):
+            name, friend = rng.sample(_NAMES, 2)
+            fields = {
+                "topic": topic,
+                "other": CHAT_TOPICS[(j + 1 + rng.randrange(n - 1)) % n],
+                "name": name,
+                "friend": friend,
+                "a": rng.randint(5, 45),
+                "b": rng.randint(3, 12),
+                "c": rng.randint(5, 30),
+                "m": rng.randint(2, 6),
+            }
+            content = template.format(**fields)
+            prompts.append(Prompt(f"chat/{category}/{i}/{_slug(topic)}", category, _user(content)))
+    prompts = round_robin(prompts)
+    return prompts if limit is None else prompts[:limit]

@@ -101,23 +101,44 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 #: Largest ``num_speculative_tokens`` accepted (beyond this, acceptance of the last positions is ~0).
 MAX_SPECULATIVE_TOKENS = 16
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
+TREE_KINDS = (None, "static", "dynamic")
+#: Largest token tree verified per request per step.
+MAX_TREE_NODES = 64
+#: Medusa's static tree when ``tree="static"`` and no ``tree_choices`` are given: 16 nodes over 4 heads,
+#: built by :func:`specdec.drafters.tree.choices_from_accuracies` from held-out per-rank accuracies of
+#: the built-in SmolLM2 heads (see specdec/heads/smollm2-135m-instruct-medusa/config.json).
+DEFAULT_TREE_CHOICES: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (0, 0), (2,), (3,), (0, 1), (4,), (5,),
+    (1, 0), (0, 2), (6,), (7,), (0, 3), (8,), (2, 0), (0, 4),
+)  # fmt: skip
 
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding: which drafter proposes tokens and how many per step.
+    """Speculative decoding: which drafter proposes tokens, how many, and in what shape.
 
     Attributes:
-        method: "ngram" (prompt lookup, Saxena 2023) or "draft_model" (a smaller model with the
-            target's tokenizer; Leviathan et al. 2023, Chen et al. 2023).
-        num_speculative_tokens: k, the most draft tokens verified per request per step (1..16).
+        method: "ngram" (prompt lookup, Saxena 2023), "draft_model" (a smaller model with the
+            target's tokenizer; Leviathan et al. 2023, Chen et al. 2023), "medusa" (Medusa-1 heads, Cai
+            et al. 2024) or "eagle" (an EAGLE head, Li et al. 2024).
+        num_speculative_tokens: k, the most draft tokens per step of a chain, or the deepest level of a
+            tree (1..16).
         prompt_lookup_max, prompt_lookup_min: n-gram sizes tried by "ngram", longest first.
-        model: the draft model for "draft_model": a zoo name or an HF-format directory.
-        draft_dtype: dtype of the draft model; None: the target's.
+        model: "draft_model": a zoo name or an HF-format directory; "medusa"/"eagle": a built-in head name
+            (a folder of ``specdec/heads``) or a head checkpoint directory, None for the target's
+            built-in heads (``<target zoo name>-<method>``).
+        draft_dtype: dtype of the draft model or heads; None: the target's.
+        tree: None (a chain of k drafts), "static" (a Medusa tree from ``tree_choices``; medusa only) or
+            "dynamic" (EAGLE-2's tree; eagle only).
+        tree_choices: the static tree's index paths (None: :data:`DEFAULT_TREE_CHOICES`); paths deeper than
+            k are dropped.
+        tree_topk: "dynamic": children drafted per expanded node, and nodes expanded per level.
+        max_tree_nodes: "dynamic": draft tokens kept after reranking (the verified tree's size).
 
     Raises:
-        ConfigError (a ValueError): unknown method, k outside 1..16, bad n-gram sizes, missing draft model.
+        ConfigError (a ValueError): unknown method, k outside 1..16, bad n-gram sizes, missing draft model,
+            a tree for a drafter that proposes chains, bad tree settings.
     """
 
     method: str = "ngram"
@@ -126,6 +147,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None
     draft_dtype: str | None = None
+    tree: str | None = None
+    tree_choices: list[list[int]] | None = None
+    tree_topk: int = 4
+    max_tree_nodes: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -139,8 +164,47 @@ class SpeculativeConfig:
         _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
         if self.method == "draft_model" and not self.model:
             raise ConfigError("speculative method 'draft_model' needs model=<zoo name or directory>")
-        if self.method != "draft_model" and self.model is not None:
+        if self.method == "ngram" and self.model is not None:
             raise ConfigError(f"speculative method {self.method!r} takes no model (got model={self.model!r})")
+        if self.tree not in TREE_KINDS:
+            raise ConfigError(f"tree must be one of {TREE_KINDS}, got {self.tree!r}")
+        if self.tree is not None and self.method not in ("medusa", "eagle"):
+            raise ConfigError(
+                f"tree={self.tree!r} needs method 'medusa' or 'eagle' ({self.method} drafts chains)"
+            )
+        if self.tree == "dynamic" and self.method != "eagle":
+            raise ConfigError("tree='dynamic' (EAGLE-2) needs method 'eagle'")
+        if self.tree == "static" and self.method != "medusa":
+            raise ConfigError(
+                "tree='static' (Medusa's tree) needs method 'medusa'; eagle uses tree='dynamic'"
+            )
+        _check_int("tree_topk", self.tree_topk, 1)
+        _check_int("max_tree_nodes", self.max_tree_nodes, 1)
+        if self.max_tree_nodes > MAX_TREE_NODES:
+            raise ConfigError(f"max_tree_nodes must be <= {MAX_TREE_NODES}, got {self.max_tree_nodes}")
+        if self.tree_choices is not None:
+            if self.tree != "static":
+                raise ConfigError("tree_choices need tree='static'")
+            from specdec.drafters.tree import StaticTree
+
+            try:
+                StaticTree.from_choices(self.tree_choices)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"tree_choices: {e}") from None
+
+    def static_tree_choices(self) -> list[list[int]]:
+        """The static tree's paths, limited to depth k (and for Medusa, to k heads)."""
+        choices = self.tree_choices if self.tree_choices is not None else DEFAULT_TREE_CHOICES
+        return [list(c) for c in choices if len(c) <= self.num_speculative_tokens]
+
+    @property
+    def num_draft_slots(self) -> int:
+        """KV slots a request reserves for drafts per step: k for a chain, the tree's size for a tree."""
+        if self.tree == "static":
+            return len(self.static_tree_choices())
+        if self.tree == "dynamic":
+            return self.max_tree_nodes
+        return self.num_speculative_tokens
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

@@ -19,11 +19,16 @@ from sampling.params import SamplingParams
 from sampling.processors import RowGroup, build_sampling_metadata, process_logits
 from sampling.rejection_sampler import RejectionSampler, VerifyResult
 from sampling.sampler import sample
+from sampling.tree_rejection_sampler import TreeVerifyResult, verify_tree
 from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
-from specdec.drafters.base import Drafter, DraftInput
+from specdec.drafters.base import Drafter, DraftInput, DraftProposal
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.heads import EagleHead, MedusaHeads, load_heads
+from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.ngram import NgramDrafter
-from specdec.errors import InvalidRequestError, KVCacheExhaustedError
+from specdec.drafters.tree import TokenTree
+from specdec.errors import ConfigError, InvalidRequestError, KVCacheExhaustedError
 from specdec.kv_cache.manager import KVCacheManager, cdiv
 from specdec.metrics import SpecStats
 from specdec.model_runner import ModelRunner
@@ -37,6 +42,13 @@ if TYPE_CHECKING:
     from grammars.base import GrammarBackend
 
 logger = logging.getLogger("specdec.engine")
+
+
+def _accepted_nodes(result: VerifyResult) -> list[int]:
+    """The accepted drafts as node indices (a chain's are 0 .. num_accepted - 1)."""
+    if isinstance(result, TreeVerifyResult):
+        return result.accepted_nodes
+    return list(range(result.num_accepted))
 
 
 class LLMEngine:
@@ -80,6 +92,14 @@ class LLMEngine:
                     f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) differs from the "
                     f"target's ({cfg.vocab_size}); draft and target must share a tokenizer"
                 )
+        heads = None
+        if speculative_config is not None and speculative_config.method in ("medusa", "eagle"):
+            if draft_model_dir is None:
+                raise ConfigError(
+                    f"speculative method {speculative_config.method!r} needs its heads' directory"
+                )
+            heads_dtype = resolve_dtype(speculative_config.draft_dtype or dtype)
+            heads, _ = load_heads(str(draft_model_dir), cfg, speculative_config.method, heads_dtype, device)
         self.model_cfg = cfg
         self.max_model_len = min(
             scheduler_config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
@@ -92,20 +112,32 @@ class LLMEngine:
                 per_block += ModelRunner.kv_bytes_per_block(
                     draft_model, bs, next(draft_model.parameters()).dtype
                 )
+            if isinstance(heads, EagleHead):
+                per_block += EagleDrafter.kv_bytes_per_block(heads, bs, next(heads.parameters()).dtype)
             wanted = scheduler_config.max_num_seqs * cdiv(self.max_model_len, bs)
             num_blocks = max(1, min(wanted, cache_config.kv_cache_memory_bytes // per_block))
         self.num_kv_blocks = num_blocks
         self.kv = KVCacheManager(num_blocks, bs, cache_config.enable_prefix_caching)
         self.num_speculative_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.scheduler = Scheduler(scheduler_config, self.kv, self.max_model_len, self.num_speculative_tokens)
+        #: KV slots a drafting request reserves per step (k for chains, the tree size for trees).
+        self.num_draft_slots = speculative_config.num_draft_slots if speculative_config else 0
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv, self.max_model_len, self.num_speculative_tokens, self.num_draft_slots
+        )
         self.runner = ModelRunner(self.model, num_blocks, bs)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self.drafter: Drafter | None = None
         if speculative_config is not None:
             if draft_model is not None:
                 self.drafter = DraftModelDrafter(draft_model, cfg.vocab_size, num_blocks, bs, self.generator)
+            elif isinstance(heads, MedusaHeads):
+                self.drafter = MedusaDrafter(self.model, heads, speculative_config)
+            elif isinstance(heads, EagleHead):
+                self.drafter = EagleDrafter(self.model, heads, speculative_config, num_blocks, bs)
             else:
                 self.drafter = NgramDrafter(speculative_config)
+        #: The drafter reads the target's features (Medusa, EAGLE): every forward returns them.
+        self.drafter_uses_hidden = bool(getattr(self.drafter, "uses_hidden_states", False))
         self.rejection_sampler = RejectionSampler()
         self.spec_stats: SpecStats | None = None
         self.reset_spec_stats()
@@ -172,7 +204,7 @@ class LLMEngine:
         total = min(n + params.max_tokens, self.max_model_len)
         # The last generated token ends the request before its KV is ever written; a verification
         # step may also reserve slots for num_speculative_tokens drafts past the committed tokens.
-        need = cdiv(total - 1 + self.num_speculative_tokens, self.kv.block_size)
+        need = cdiv(total - 1 + self.num_draft_slots, self.kv.block_size)
         if need > self.num_kv_blocks:
             raise KVCacheExhaustedError(
                 f"this request can need {need} KV blocks ({total - 1} tokens) but the pool has only "
@@ -258,23 +290,57 @@ class LLMEngine:
         self.num_steps += 1
         if self.drafter is not None:
             t0 = time.perf_counter()
-            batch = [DraftInput(s.request, s.num_new_tokens, s.num_draft_slots) for s in out.scheduled]
+            batch = [
+                DraftInput(s.request, s.num_new_tokens, s.max_draft_depth, s.num_draft_slots)
+                for s in out.scheduled
+            ]
             for s, proposal in zip(out.scheduled, self.drafter.propose(batch)):
-                s.draft_token_ids = proposal.token_ids[: s.num_draft_slots]
-                grammar = s.request.grammar
-                if grammar is not None and s.draft_token_ids:  # drafts end at the first forbidden one
-                    s.draft_token_ids = s.draft_token_ids[: grammar.validate_tokens(s.draft_token_ids)]
-                probs = proposal.draft_probs
-                s.draft_probs = None if probs is None else probs[: len(s.draft_token_ids)]
+                self._take_proposal(s, proposal)
             if self.spec_stats is not None:
                 self.spec_stats.draft_time_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         inputs = self.runner.prepare(out.scheduled)
-        logits = self.runner.execute(inputs)
-        updated = self._update(out, logits)
+        hidden = None
+        if self.drafter_uses_hidden:
+            logits, hidden = self.runner.execute_with_hidden(inputs)
+        else:
+            logits = self.runner.execute(inputs)
+        updated = self._update(out, logits, hidden)
         if self.spec_stats is not None:
             self.spec_stats.verify_time_s += time.perf_counter() - t0
         return updated
+
+    def _take_proposal(self, s: ScheduledRequest, proposal: DraftProposal) -> None:
+        """Fit a proposal to the request's slots and depth; a tree that reduces to a chain becomes one,
+        and constrained requests verify chains only (a tree's first path)."""
+        tokens = list(proposal.token_ids)
+        probs = proposal.draft_probs
+        if proposal.parents is not None:
+            if probs is not None:
+                raise ValueError("token-tree proposals must be deterministic (draft_probs None)")
+            tree = TokenTree(tuple(tokens), tuple(proposal.parents))
+            tree = tree.truncated(s.num_draft_slots, s.max_draft_depth)
+            if s.request.grammar is not None:
+                tree = tree.first_path()
+            tokens = list(tree.token_ids)
+            s.draft_tree = None if tree.is_chain else tree
+        else:
+            tokens = tokens[: s.max_draft_depth]
+        grammar = s.request.grammar
+        if grammar is not None and tokens:  # drafts end at the first forbidden one
+            tokens = tokens[: grammar.validate_tokens(tokens)]
+        s.draft_token_ids = tokens
+        s.draft_probs = None if probs is None else probs[: len(tokens)]
+
+    def _row_groups(self, s: ScheduledRequest) -> list[RowGroup]:
+        """The verification rows of a request: one group for a chain; for a tree, one row per node, each
+        with its own path as the draft prefix (penalties see the path, not the other branches)."""
+        req, tree = s.request, s.draft_tree
+        if tree is None:
+            return [self._row_group(req, s.draft_token_ids, 1 + len(s.draft_token_ids))]
+        groups = [self._row_group(req, [], 1)]
+        groups.extend(self._row_group(req, tree.path_tokens(i), 1) for i in range(tree.num_nodes))
+        return groups
 
     def _row_group(self, req: Request, draft_token_ids: list[int], num_rows: int) -> RowGroup:
         bitmask = None
@@ -290,19 +356,22 @@ class LLMEngine:
             bitmask,
         )
 
-    def _update(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Request]:
+    def _update(
+        self, out: SchedulerOutput, logits: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> list[Request]:
         """Turn the logits rows into tokens: a plain sample, or verification of the drafts.
 
         Every row is first processed (penalties, masks, temperature, top-k/p, min-p) with its own
-        prefix; the processed rows are what sampling, verification and ``logprobs`` use.
+        prefix; the processed rows are what sampling, verification and ``logprobs`` use. A token tree's
+        accepted path is then compacted: its K/V moves to the slots right after the committed tokens
+        and every other node's slot is released. ``hidden`` (``[T, hidden_size]``, when the drafter reads
+        features) gives the drafter the features of the committed tokens computed this step.
         """
         sampling = [s for s in out.scheduled if s.sample]
         results: list[VerifyResult] = []
         processed = logits
         if sampling:
-            groups = [
-                self._row_group(s.request, s.draft_token_ids, 1 + len(s.draft_token_ids)) for s in sampling
-            ]
+            groups = [g for s in sampling for g in self._row_groups(s)]
             meta = build_sampling_metadata(groups, logits.shape[-1], logits.device)
             processed = process_logits(logits, meta)
             if not any(s.draft_token_ids for s in sampling):
@@ -311,29 +380,26 @@ class LLMEngine:
                 ).tolist()
                 results = [VerifyResult([t], 0) for t in tokens]
             else:
-                # Greedy rows keep their processed logits (only their argmax is read).
-                greedy_rows = torch.tensor(meta.greedy, device=logits.device)[:, None]
-                target_probs = torch.where(greedy_rows, processed, torch.softmax(processed, dim=-1))
-                results = self.rejection_sampler.verify(
-                    target_probs,
-                    [s.draft_token_ids for s in sampling],
-                    [s.draft_probs for s in sampling],
-                    [s.request.sampling_params.greedy for s in sampling],
-                    [s.request.generator for s in sampling],
-                    self.generator,
-                )
+                results = self._verify(sampling, processed, meta.greedy)
         logprobs = self._logprobs(sampling, results, processed)
         now = time.perf_counter()
         updated: list[Request] = []
         result_iter = iter(results)
+        query_start = 0
         for s in out.scheduled:
             req = s.request
             num_drafts = len(s.draft_token_ids)
+            first_position = req.num_computed_tokens
+            rows_start, query_start = query_start, query_start + s.num_new_tokens + num_drafts
             req.num_computed_tokens += s.num_new_tokens + num_drafts
             if not s.sample:
                 self.kv.cache_full_blocks(req)
+                if hidden is not None:
+                    self._observe(req, first_position, hidden[rows_start : rows_start + s.num_new_tokens])
                 continue
             result = next(result_iter)
+            if s.draft_tree is not None:
+                self._compact(req, first_position + s.num_new_tokens, _accepted_nodes(result))
             # Rejected drafts' KV is rolled back; unused draft slots are released.
             self.kv.rollback(req, num_drafts - result.num_accepted)
             if req.spec_stats is not None:
@@ -355,16 +421,70 @@ class LLMEngine:
                     break
             if not finished:
                 self.kv.cache_full_blocks(req)
+                if hidden is not None:
+                    committed = list(range(rows_start, rows_start + s.num_new_tokens))
+                    committed += [rows_start + s.num_new_tokens + n for n in _accepted_nodes(result)]
+                    self._observe(req, first_position, hidden[committed])
                 if self.drafter is not None:
                     self.drafter.on_verified(req, num_drafts, result.num_accepted)
         return updated
+
+    def _observe(self, req: Request, start_position: int, hidden: torch.Tensor) -> None:
+        self.drafter.observe(req, start_position, hidden)  # type: ignore[union-attr]
+
+    def _verify(
+        self, sampling: list[ScheduledRequest], processed: torch.Tensor, greedy_rows: list[bool]
+    ) -> list[VerifyResult]:
+        """Chains go through the rejection sampler together; each token tree through tree verification."""
+        # Greedy rows keep their processed logits (only their argmax is read).
+        greedy_mask = torch.tensor(greedy_rows, device=processed.device)[:, None]
+        target_probs = torch.where(greedy_mask, processed, torch.softmax(processed, dim=-1))
+        results: list[VerifyResult | None] = [None] * len(sampling)
+        chain_rows: list[int] = []
+        chains: list[int] = []
+        start = 0
+        for j, s in enumerate(sampling):
+            n_rows = 1 + len(s.draft_token_ids)
+            req = s.request
+            if s.draft_tree is None:
+                chains.append(j)
+                chain_rows.extend(range(start, start + n_rows))
+            else:
+                gen = req.generator if req.generator is not None else self.generator
+                results[j] = verify_tree(
+                    target_probs[start : start + n_rows], s.draft_tree, req.sampling_params.greedy, gen
+                )
+            start += n_rows
+        if chains:
+            rows = target_probs if len(chain_rows) == start else target_probs[torch.tensor(chain_rows)]
+            chain_results = self.rejection_sampler.verify(
+                rows,
+                [sampling[j].draft_token_ids for j in chains],
+                [sampling[j].draft_probs for j in chains],
+                [sampling[j].request.sampling_params.greedy for j in chains],
+                [sampling[j].request.generator for j in chains],
+                self.generator,
+            )
+            for j, res in zip(chains, chain_results):
+                results[j] = res
+        return [r for r in results if r is not None]
+
+    def _compact(self, req: Request, first_draft_position: int, accepted_nodes: list[int]) -> None:
+        """Move the accepted tree path's K/V onto consecutive slots after the committed tokens."""
+        src, dst = [], []
+        for depth, node in enumerate(accepted_nodes):
+            if node != depth:
+                src.append(self.kv.slot(req, first_draft_position + node))
+                dst.append(self.kv.slot(req, first_draft_position + depth))
+        self.runner.copy_slots(src, dst)
 
     def _logprobs(
         self, sampling: list[ScheduledRequest], results: list[VerifyResult], processed: torch.Tensor
     ) -> dict[str, list[dict[int, Logprob]]]:
         """Log-probabilities of every emitted token of the requests that asked for them: the token
-        emitted after j accepted drafts is scored under verification row j (whatever the drafter,
-        the emitted token follows the target's processed distribution there)."""
+        emitted after j accepted drafts is scored under the verification row it was emitted from (row j of
+        a chain; the root or the j-th accepted node of a tree): whatever the drafter, the emitted token
+        follows the target's processed distribution there."""
         rows: list[int] = []
         tokens: list[int] = []
         num_top: list[int] = []
@@ -373,7 +493,8 @@ class LLMEngine:
         for s, res in zip(sampling, results):
             n = s.request.sampling_params.logprobs
             if n is not None:
-                rows.extend(range(start, start + len(res.token_ids)))
+                emitted_rows = [0] + [1 + node for node in _accepted_nodes(res)]
+                rows.extend(start + r for r in emitted_rows[: len(res.token_ids)])
                 tokens.extend(res.token_ids)
                 num_top.extend([n] * len(res.token_ids))
                 owners.append((s.request.request_id, len(res.token_ids)))

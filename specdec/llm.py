@@ -45,7 +45,8 @@ class LLM:
         seed: seed for unseeded sampled requests.
         speculative_config: a :class:`~specdec.config.SpeculativeConfig` or a dict of its fields, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "draft_model",
-            "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}``; None: no speculation.
+            "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}`` or ``{"method": "eagle",
+            "tree": "dynamic"}`` (the target's built-in heads); None: no speculation.
 
     Raises:
         UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.
@@ -68,6 +69,7 @@ class LLM:
         speculative_config: Any = None,
         kv_cache_memory_bytes: int = 2 * 1024**3,
     ) -> None:
+        from specdec.drafters.heads import default_heads_name, resolve_heads_dir
         from specdec.zoo import resolve_model
 
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -77,8 +79,12 @@ class LLM:
         cache_config = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes)
         scheduler_config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
         self.model_dir = resolve_model(model)
-        # Resolve (fetch) the draft model before any loading, so a bad name fails first.
-        draft_dir = resolve_model(spec.model) if spec is not None and spec.model else None
+        # Resolve (fetch) the draft model or heads before any loading, so a bad name fails first.
+        draft_dir = None
+        if spec is not None and spec.method in ("medusa", "eagle"):
+            draft_dir = resolve_heads_dir(spec.model or default_heads_name(model, spec.method))
+        elif spec is not None and spec.model:
+            draft_dir = resolve_model(spec.model)
         self.tokenizer = None
         if not skip_tokenizer_init:
             from transformers import AutoTokenizer

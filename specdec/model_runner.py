@@ -37,14 +37,21 @@ class Segment:
     Attributes:
         block_ids: the request's block table.
         start: position of the first new token.
-        token_ids: the new tokens (their K/V is written at positions ``start...``).
+        token_ids: the new tokens; their K/V is written at the slots of positions ``start,
+            start + 1, ...`` of the block table.
         num_logits: logits wanted for the last ``num_logits`` new tokens.
+        positions: the tokens' positions when they are not ``start, start + 1, ...`` (a token tree's
+            nodes share positions by depth); None for consecutive positions.
+        mask: ``[len(token_ids), len(token_ids)]`` bool attention mask among the new tokens (a tree
+            attention mask); None for causal.
     """
 
     block_ids: list[int]
     start: int
     token_ids: list[int]
     num_logits: int
+    positions: list[int] | None = None
+    mask: torch.Tensor | None = None
 
 
 def build_inputs(segments: list[Segment], block_size: int, device: torch.device) -> ModelInputs:
@@ -59,7 +66,7 @@ def build_inputs(segments: list[Segment], block_size: int, device: torch.device)
     for seg in segments:
         n, start, table = len(seg.token_ids), seg.start, seg.block_ids
         input_ids.extend(seg.token_ids)
-        positions.extend(range(start, start + n))
+        positions.extend(range(start, start + n) if seg.positions is None else seg.positions)
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         query_lens.append(n)
         seq_lens.append(start + n)
@@ -78,6 +85,7 @@ def build_inputs(segments: list[Segment], block_size: int, device: torch.device)
         block_table=block_table.to(device),
         query_lens=query_lens,
         seq_lens_host=seq_lens,
+        new_token_masks=None if all(s.mask is None for s in segments) else [s.mask for s in segments],
     )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -87,6 +95,37 @@ def build_inputs(segments: list[Segment], block_size: int, device: torch.device)
     )
 
 
+def select_attention_backend(
+    device: torch.device, choice: AttentionBackend | str | None = None
+) -> AttentionBackend:
+    """The attention backend for a model on ``device``.
+
+    Args:
+        device: where the model runs.
+        choice: a backend instance (used as is), ``"triton"``, ``"reference"``, or None / ``"auto"``:
+            Triton (:class:`~specdec.attention.triton_backend.TritonAttention`) on CUDA when triton
+            imports and ``SPECDEC_FORCE_REFERENCE`` is not set, the pure-torch reference otherwise.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    if choice is not None and not isinstance(choice, str):
+        return choice
+    name = choice or "auto"
+    if name == "auto":
+        from kernels._triton import force_reference, triton_available
+
+        use = device.type == "cuda" and triton_available() and not force_reference()
+        name = "triton" if use else "reference"
+    if name == "triton":
+        from specdec.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
+    if name == "reference":
+        return ReferenceAttention()
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'triton' or 'reference'")
+
+
 class ModelRunner:
     """Holds the model and its KV cache tensors; runs flattened batches.
 
@@ -94,7 +133,8 @@ class ModelRunner:
         model: the decoder.
         num_blocks: KV blocks in the pool.
         block_size: tokens per block.
-        attention: attention backend (default: the pure-torch reference).
+        attention: attention backend, an instance or a name (see :func:`select_attention_backend`;
+            default: Triton kernels on CUDA, the pure-torch reference elsewhere).
     """
 
     def __init__(
@@ -102,14 +142,14 @@ class ModelRunner:
         model: DecoderLM,
         num_blocks: int,
         block_size: int,
-        attention: AttentionBackend | None = None,
+        attention: AttentionBackend | str | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.attention = attention or ReferenceAttention()
         cfg = model.cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.attention = select_attention_backend(self.device, attention)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zero-filled: padded reads of unused slots are masked, and 0 * finite stays finite.
         self.kv_caches = [
@@ -129,14 +169,24 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
         """Flatten the scheduled requests: each contributes its committed new tokens followed by its
         draft tokens. Logits rows: for a request that samples, its last committed token and every draft
-        (``1 + len(drafts)`` rows, the verification rows); none for a prefill chunk that does not."""
+        (``1 + len(drafts)`` rows, the verification rows); none for a prefill chunk that does not.
+
+        A token tree's nodes take the slots after the committed tokens in node order, positions by
+        depth, and the tree attention mask."""
         segments = []
         for s in scheduled:
             req = s.request
             start = req.num_computed_tokens
-            tokens = req.token_ids[start : start + s.num_new_tokens] + list(s.draft_token_ids)
+            n = s.num_new_tokens
+            tokens = req.token_ids[start : start + n] + list(s.draft_token_ids)
             num_logits = 1 + len(s.draft_token_ids) if s.sample else 0
-            segments.append(Segment(req.block_ids, start, tokens, num_logits))
+            seg = Segment(req.block_ids, start, tokens, num_logits)
+            tree = s.draft_tree
+            if tree is not None:
+                root = start + n - 1
+                seg.positions = list(range(start, start + n)) + [root + d for d in tree.position_offsets()]
+                seg.mask = tree.attention_mask(num_prefix=n).to(self.device)
+            segments.append(seg)
         return build_inputs(segments, self.block_size, self.device)
 
     @torch.inference_mode()
@@ -151,6 +201,42 @@ class ModelRunner:
             inputs.logits_indices,
         )
         return logits
+
+    @torch.inference_mode()
+    def execute_with_hidden(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the forward; returns the logits ``[R, vocab_size]`` float32 at ``inputs.logits_indices``
+        and the final-norm hidden states of every row ``[T, hidden_size]`` (for learned drafters)."""
+        return self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_caches,
+            inputs.metadata,
+            self.attention,
+            inputs.logits_indices,
+            all_hidden=True,
+        )
+
+    @torch.inference_mode()
+    def copy_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy single tokens' K/V in every layer: slot ``dst_slots[i]`` gets slot ``src_slots[i]``'s
+        (compaction of a token tree's accepted path onto consecutive positions). All sources are read
+        before any destination is written, so a destination may be another pair's source.
+
+        Raises:
+            ValueError: the lists differ in length, or a destination is repeated.
+        """
+        if len(src_slots) != len(dst_slots):
+            raise ValueError(f"{len(src_slots)} source slots but {len(dst_slots)} destinations")
+        if len(set(dst_slots)) != len(dst_slots):
+            raise ValueError("destination slots must be distinct")
+        if not src_slots:
+            return
+        src = torch.tensor(src_slots, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, cache.shape[2], cache.shape[3])
+                flat.index_copy_(0, dst, flat.index_select(0, src))
 
     @torch.inference_mode()
     def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:

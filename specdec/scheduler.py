@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SchedulerConfig
+from specdec.drafters.tree import TokenTree
 from specdec.kv_cache.manager import KVCacheManager
 from specdec.request import Request, RequestStatus
 
@@ -39,17 +40,24 @@ class ScheduledRequest:
         num_new_tokens: committed tokens computed this step, from ``request.num_computed_tokens``.
         sample: these tokens reach the end of the committed sequence, so the step emits tokens.
         num_draft_slots: most draft tokens this request may verify this step (slots are reserved).
-        draft_token_ids: the drafts proposed for it this step (at most ``num_draft_slots``).
+        max_draft_depth: most drafts on one path (a chain's length, a tree's depth): a step emits at
+            most ``max_draft_depth + 1`` tokens.
+        draft_token_ids: the drafts proposed for it this step (at most ``num_draft_slots``): a chain, or
+            a token tree's nodes in order.
         draft_probs: ``[len(draft_token_ids), vocab_size]`` distributions the drafts were drawn from, or
             None for a deterministic drafter.
+        draft_tree: the drafts' tree when they are not a chain (``draft_tree.token_ids ==
+            draft_token_ids``), else None.
     """
 
     request: Request
     num_new_tokens: int
     sample: bool
     num_draft_slots: int = 0
+    max_draft_depth: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
+    draft_tree: TokenTree | None = None
 
 
 @dataclass
@@ -66,10 +74,17 @@ class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes."""
 
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, num_speculative_tokens: int = 0
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        num_speculative_tokens: int = 0,
+        num_draft_slots: int | None = None,
     ) -> None:
         self.config = config
         self.num_speculative_tokens = num_speculative_tokens
+        #: Slots reserved per drafting request (a tree's size; k for chains).
+        self.num_draft_slots = num_speculative_tokens if num_draft_slots is None else num_draft_slots
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -86,14 +101,19 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _num_draft_slots(self, req: Request, budget: int) -> int:
-        """Drafts a decoding request may verify: k, limited by the token budget, ``max_tokens`` and
-        ``max_model_len`` (a step emits at most drafts + 1 tokens)."""
+    def _num_draft_slots(self, req: Request, budget: int) -> tuple[int, int]:
+        """``(slots, depth)`` a decoding request may verify: the drafter's slots (k, or a tree's size)
+        limited by the token budget, and the depth k limited by ``max_tokens`` and ``max_model_len`` (a
+        step emits at most depth + 1 tokens)."""
         if not self.num_speculative_tokens or req.num_tokens - req.num_computed_tokens != 1:
-            return 0
+            return 0, 0
         remaining = req.sampling_params.max_tokens - req.num_output_tokens
         room = self.max_model_len - req.num_tokens
-        return max(0, min(self.num_speculative_tokens, budget - 1, remaining - 1, room - 1))
+        depth = max(0, min(self.num_speculative_tokens, budget - 1, remaining - 1, room - 1))
+        if depth == 0:
+            return 0, 0
+        slots = max(0, min(self.num_draft_slots, budget - 1))
+        return slots, min(depth, slots)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -112,7 +132,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            k = self._num_draft_slots(req, budget)
+            k, depth = self._num_draft_slots(req, budget)
             while not self.kv.allocate_slots(req, n + k):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -120,7 +140,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens, k))
+                sample = req.num_computed_tokens + n == req.num_tokens
+                scheduled.append(ScheduledRequest(req, n, sample, k, depth))
                 budget -= n + k
                 i += 1
                 continue

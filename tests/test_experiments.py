@@ -19,11 +19,13 @@ from experiments.config import (
     ChoiceGrammarConfig,
     DraftModelDrafterConfig,
     Dtype,
+    EagleDrafterConfig,
     EngineConfig,
     ExperimentConfig,
     HumanEvalDatasetConfig,
     JsonlDatasetConfig,
     JsonSchemaGrammarConfig,
+    MedusaDrafterConfig,
     ModelConfig,
     NgramDrafterConfig,
     NoDrafterConfig,
@@ -79,7 +81,7 @@ def test_every_group_has_its_options():
         "qwen2.5-coder-1.5b-instruct",
         "smollm2-135m-instruct",
     ]
-    assert OPTIONS["drafter"] == ["draft_model", "ngram", "none"]
+    assert OPTIONS["drafter"] == ["draft_model", "eagle", "medusa", "ngram", "none"]
     assert OPTIONS["dataset"] == ["builtin", "humaneval", "jsonl", "synthetic"]
     assert OPTIONS["sampling"] == ["greedy", "random"]
     options = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ALL_GROUPS}
@@ -113,7 +115,13 @@ NEEDS = {
     "drafter/draft_model.yaml": ["model=qwen2.5-coder-1.5b-instruct"],
 }
 EXPECTED_TYPES = {
-    "drafter": {"none": NoDrafterConfig, "ngram": NgramDrafterConfig, "draft_model": DraftModelDrafterConfig},
+    "drafter": {
+        "none": NoDrafterConfig,
+        "ngram": NgramDrafterConfig,
+        "draft_model": DraftModelDrafterConfig,
+        "medusa": MedusaDrafterConfig,
+        "eagle": EagleDrafterConfig,
+    },
     "dataset": {
         "builtin": BuiltinDatasetConfig,
         "jsonl": JsonlDatasetConfig,
@@ -141,6 +149,12 @@ def test_every_config_file_composes_and_validates(hydra_conf, path):
     parts = Path(path).with_suffix("").parts
     if path == "config.yaml":
         assert isinstance(load_cfg(), ExperimentConfig)
+        return
+    if path == "train.yaml":
+        from experiments.config import TrainConfig, to_train_config
+
+        cfg = to_train_config(compose(config_name="train"))
+        assert isinstance(cfg, TrainConfig) and isinstance(cfg.drafter, MedusaDrafterConfig)
         return
     if path == "bench.yaml":
         cfg = to_bench_config(compose(config_name="bench"))
@@ -224,11 +238,7 @@ def test_every_combination_composes(hydra_conf, model, drafter, dataset, samplin
         return
     cfg = load_cfg(*overrides)
     assert cfg.model.name == model
-    expected_drafter = {
-        "none": NoDrafterConfig,
-        "ngram": NgramDrafterConfig,
-        "draft_model": DraftModelDrafterConfig,
-    }[drafter]
+    expected_drafter = EXPECTED_TYPES["drafter"][drafter]
     assert type(cfg.drafter) is expected_drafter and cfg.drafter.method == drafter
     expected_dataset = EXPECTED_TYPES["dataset"][dataset]
     assert type(cfg.dataset) is expected_dataset and cfg.dataset.name == dataset

@@ -39,6 +39,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cos and sin ``[T, 1, head_dim]`` for ``positions`` ``[T]``, ``inv_freq`` ``[head_dim / 2]``."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
@@ -100,11 +110,7 @@ class DecoderLM(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, head_dim]`` for ``positions`` ``[T]``, as transformers computes them."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = self.cfg.rope_attention_scaling
-        cos, sin = emb.cos() * scale, emb.sin() * scale
-        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        return rope_cos_sin(positions, self.inv_freq, self.cfg.rope_attention_scaling, dtype)
 
     def forward(
         self,
@@ -114,6 +120,7 @@ class DecoderLM(nn.Module):
         metadata: AttentionMetadata,
         attention: AttentionBackend,
         logits_indices: torch.Tensor | None = None,
+        all_hidden: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the flattened batch through the model.
 
@@ -125,15 +132,21 @@ class DecoderLM(nn.Module):
             metadata: the flattened batch.
             attention: the attention backend.
             logits_indices: ``[R]`` rows whose logits are wanted; None for all rows.
+            all_hidden: return the hidden states of every row, not only of the logits rows.
 
         Returns:
-            ``(logits, hidden)``: ``logits`` ``[R, vocab_size]`` float32, and ``hidden`` ``[R,
-            hidden_size]`` the final-norm hidden states at the same rows (for learned drafters).
+            ``(logits, hidden)``: ``logits`` ``[R, vocab_size]`` float32, and ``hidden`` the final-norm
+            hidden states (the features learned drafters read): ``[R, hidden_size]`` at the logits rows,
+            or ``[T, hidden_size]`` at every row when ``all_hidden``.
         """
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, hidden.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, k_cache, v_cache, metadata, attention)
+        if all_hidden:
+            hidden = self.norm(hidden)
+            rows = hidden if logits_indices is None else hidden[logits_indices]
+            return self.lm_head(rows).float(), hidden
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         hidden = self.norm(hidden)

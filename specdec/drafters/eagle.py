@@ -1,0 +1,256 @@
+"""EAGLE drafter: one decoder layer, autoregressive in the target's feature space; chain or EAGLE-2 tree.
+
+Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", ICML 2024 (the head and
+chain drafting); Li et al., "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees",
+EMNLP 2024 (the dynamic tree).
+
+Head position ``t`` takes ``(embed(x_{t+1}), f_t)`` and predicts ``f_{t+1}``; the target's LM head turns
+that into the distribution of ``x_{t+2}``. The head's K/V lives in its own cache tensors on the target's
+block tables (slot of position t), like the draft-model drafter. Per request the drafter keeps the
+target's features it has not consumed yet (handed over by the engine from the verification forward,
+:meth:`EagleDrafter.observe`) and how many head positions hold K/V computed from true features.
+
+A step with ``L`` committed tokens knows the target's features up to position ``L - 2`` (the last
+committed token is the root the target computes now). The drafter first catches up on head positions
+up to ``L - 2``, whose last output predicts the first draft, then drafts:
+
+- **chain** (``tree=None``): top-1 at each of k steps, all requests batched through the paged cache; the
+  speculative positions' K/V is overwritten by the next catch-up.
+- **dynamic tree** (``tree="dynamic"``): at depth 1 the root's top ``tree_topk`` tokens; at each further
+  depth the ``tree_topk`` nodes of the previous depth with the highest cumulative draft log-probability
+  are fed to the head (tree attention among them, over a dense copy of the request's head K/V) and each
+  gets its top ``tree_topk`` children; finally the ``max_tree_nodes`` best nodes of all depths are kept
+  (:func:`specdec.drafters.tree.select_top_nodes`).
+
+With prefix caching, head positions inside reused blocks keep the head K/V the earlier request computed
+there (features are deterministic given the tokens); drafts are verified exactly, so stale head K/V could
+only lower acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from specdec.attention.base import AttentionMetadata
+from specdec.attention.reference import ReferenceAttention
+from specdec.config import SpeculativeConfig
+from specdec.drafters.base import DraftInput, DraftProposal
+from specdec.drafters.heads import EagleHead
+from specdec.drafters.tree import select_top_nodes
+from specdec.model_runner import Segment, build_inputs
+from specdec.models.decoder import DecoderLM
+from specdec.request import Request
+
+
+@dataclass
+class _EagleState:
+    num_computed: int  # head positions < this hold K/V from true features
+    features_start: int  # position of features[0]
+    features: list[torch.Tensor] = field(default_factory=list)  # [n_i, H] chunks, consecutive positions
+
+    def feature_rows(self, start: int, end: int) -> torch.Tensor:
+        feats = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
+        self.features = [feats]
+        return feats[start - self.features_start : end - self.features_start]
+
+    def drop_before(self, position: int) -> None:
+        if not self.features:
+            return
+        feats = torch.cat(self.features)
+        cut = max(0, position - self.features_start)
+        self.features = [feats[cut:]] if cut < feats.shape[0] else []
+        self.features_start += cut
+
+
+class _DenseTreeAttention:
+    """Attention for tree drafting of one request: its head K/V so far as dense tensors plus the fed
+    tree nodes, each query seeing the whole context, its fed ancestors and itself."""
+
+    def __init__(self, k_ctx: torch.Tensor, v_ctx: torch.Tensor) -> None:
+        self.k, self.v = k_ctx, v_ctx  # [C, KVH, D]
+        self.num_context = k_ctx.shape[0]
+        self.visible: torch.Tensor | None = None  # [q, C + fed] bool, set before each forward
+
+    def forward(self, query, key, value, k_cache, v_cache, metadata: AttentionMetadata, scale: float):
+        self.k = torch.cat([self.k, key.to(self.k.dtype)])
+        self.v = torch.cat([self.v, value.to(self.v.dtype)])
+        q = query.transpose(0, 1)  # [H, q, D]
+        k, v = self.k.transpose(0, 1).to(q.dtype), self.v.transpose(0, 1).to(q.dtype)
+        gqa = q.shape[0] != k.shape[0]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.visible, scale=scale, enable_gqa=gqa)
+        return o.transpose(0, 1)
+
+
+class EagleDrafter:
+    """Proposes with an EAGLE head.
+
+    Args:
+        target: the target model (its embedding and LM head are shared with the head).
+        head: a trained :class:`EagleHead`.
+        config: ``num_speculative_tokens`` (chain length / tree depth), ``tree`` None or "dynamic",
+            ``tree_topk``, ``max_tree_nodes``.
+        num_blocks, block_size: the target's KV pool geometry.
+    """
+
+    uses_hidden_states = True
+
+    def __init__(
+        self, target: DecoderLM, head: EagleHead, config: SpeculativeConfig, num_blocks: int, block_size: int
+    ) -> None:
+        self.target = target
+        self.head = head
+        self.config = config
+        self.block_size = block_size
+        self.attention = ReferenceAttention()
+        param = next(head.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        arch = head.arch
+        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_cache = (
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+        )
+
+    @staticmethod
+    def kv_bytes_per_block(head: EagleHead, block_size: int, dtype: torch.dtype) -> int:
+        arch = head.arch
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+    # ------------------------------------------------------------------ state
+    def observe(self, request: Request, start_position: int, hidden_states: torch.Tensor) -> None:
+        state = request.drafter_state
+        if not isinstance(state, _EagleState) or start_position != state.features_start + sum(
+            f.shape[0] for f in state.features
+        ):
+            # A fresh (or re-admitted) request: positions before the first feature are taken as computed
+            # (prefix-cached blocks keep the head K/V written when they were filled).
+            state = request.drafter_state = _EagleState(start_position, start_position)
+        state.features.append(hidden_states.detach().to(self.dtype))
+
+    def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Nothing to roll back: speculative head K/V is overwritten by the next catch-up."""
+
+    # ------------------------------------------------------------------ head
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.lm_head(hidden.to(self.target.lm_head.weight.dtype)).float()
+
+    def _run(self, segments: list[Segment], features: torch.Tensor) -> torch.Tensor:
+        """Head forward over paged segments whose ``token_ids`` are the ``x_{t+1}``; returns the predicted
+        features at each segment's logits rows."""
+        inputs = build_inputs(segments, self.block_size, self.device)
+        embeds = self.target.embed_tokens(inputs.input_ids).to(self.dtype)
+        out = self.head(embeds, features, inputs.positions, self.kv_cache, inputs.metadata, self.attention)
+        return out[inputs.logits_indices]
+
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        proposals = [DraftProposal([]) for _ in batch]
+        # 1. Catch up on head positions [num_computed, L - 1) of drafting requests.
+        drafting: list[int] = []
+        segments: list[Segment] = []
+        feats: list[torch.Tensor] = []
+        for i, x in enumerate(batch):
+            req, state = x.request, x.request.drafter_state
+            if x.max_drafts <= 0 or not isinstance(state, _EagleState):
+                continue
+            last = req.num_tokens - 2  # last position with a known target feature
+            known_end = state.features_start + sum(f.shape[0] for f in state.features)
+            if known_end != last + 1:
+                continue  # features missing (should not happen): no drafts this step
+            start = min(max(state.num_computed, state.features_start), last)
+            segments.append(Segment(req.block_ids, start, req.token_ids[start + 1 : last + 2], 1))
+            feats.append(state.feature_rows(start, last + 1))
+            state.num_computed = last + 1
+            state.drop_before(last + 1)
+            drafting.append(i)
+        if not drafting:
+            return proposals
+        root_features = self._run(segments, torch.cat(feats))  # [B, H]: predicts f_{L-1}
+        if self.config.tree == "dynamic":
+            for row, i in enumerate(drafting):
+                proposals[i] = self._tree(batch[i], root_features[row])
+            return proposals
+        # 2. Chain: top-1, one head position per request per step.
+        feature = root_features
+        active = list(range(len(drafting)))
+        while active:
+            tokens = self._logits(feature).argmax(dim=-1).tolist()
+            for row in active:
+                proposals[drafting[row]].token_ids.append(tokens[row])
+            active = [
+                r for r in active if len(proposals[drafting[r]].token_ids) < batch[drafting[r]].max_drafts
+            ]
+            if not active:
+                break
+            segs = []
+            for r in active:
+                req = batch[drafting[r]].request
+                drafts = proposals[drafting[r]].token_ids
+                segs.append(Segment(req.block_ids, req.num_tokens - 2 + len(drafts), drafts[-1:], 1))
+            feature = self._run(segs, feature[active])
+            # Rows of `feature` now follow `active`; re-index so row r of the next step is active[r].
+            full = feature.new_empty(len(drafting), feature.shape[-1])
+            full[active] = feature
+            feature = full
+        return proposals
+
+    def _tree(self, x: DraftInput, root_feature: torch.Tensor) -> DraftProposal:
+        """EAGLE-2's dynamic tree for one request."""
+        cfg = self.config
+        req = x.request
+        topk, depth_limit = cfg.tree_topk, x.max_drafts
+        budget = max(1, min(cfg.max_tree_nodes, x.max_tree_nodes))
+        context = req.num_tokens - 1  # head positions 0 .. L-2
+        blocks = torch.tensor(req.block_ids[: -(-context // self.block_size)], device=self.device)
+        k_cache, v_cache = self.kv_cache
+        attn = _DenseTreeAttention(
+            k_cache[blocks].flatten(0, 1)[:context], v_cache[blocks].flatten(0, 1)[:context]
+        )
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        fed: list[int] = []  # candidate index of each fed node, in feeding order
+        # Depth 1: children of the root.
+        logp = torch.log_softmax(self._logits(root_feature[None]), dim=-1)[0]
+        top = logp.topk(topk)
+        frontier = []
+        for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+            frontier.append(len(tokens))
+            tokens.append(t)
+            parents.append(-1)
+            scores.append(lp)
+        node_feature = {c: root_feature for c in frontier}  # feature each node was predicted from
+        for depth in range(2, depth_limit + 1):
+            expand = sorted(frontier, key=lambda c: -scores[c])[:topk]
+            # Each fed node sees the context, its fed ancestors and itself.
+            visible = torch.zeros(len(expand), context + len(fed) + len(expand), dtype=torch.bool)
+            visible[:, :context] = True
+            for r, c in enumerate(expand):
+                a = parents[c]
+                while a >= 0:
+                    visible[r, context + fed.index(a)] = True
+                    a = parents[a]
+                visible[r, context + len(fed) + r] = True
+            attn.visible = visible.to(self.device)
+            embeds = self.target.embed_tokens(torch.tensor([tokens[c] for c in expand], device=self.device))
+            feats = torch.stack([node_feature[c] for c in expand])
+            positions = torch.full((len(expand),), context - 1 + depth - 1, device=self.device)
+            out = self.head(embeds.to(self.dtype), feats, positions, (None, None), None, attn)
+            fed.extend(expand)
+            logp = torch.log_softmax(self._logits(out), dim=-1)
+            top = logp.topk(topk)
+            frontier = []
+            for r, c in enumerate(expand):
+                for lp, t in zip(top.values[r].tolist(), top.indices[r].tolist()):
+                    node_feature[len(tokens)] = out[r]
+                    frontier.append(len(tokens))
+                    tokens.append(t)
+                    parents.append(c)
+                    scores.append(scores[c] + lp)
+        keep = select_top_nodes(scores, parents, budget)
+        index = {c: j for j, c in enumerate(keep)}
+        return DraftProposal([tokens[c] for c in keep], parents=[index.get(parents[c], -1) for c in keep])

@@ -1,0 +1,270 @@
+"""Medusa and EAGLE drafters through the engine: greedy output equals plain greedy decoding token for token.
+
+Two tiny targets:
+
+- a random Llama with randomly initialised heads: drafts are mostly rejected (and sometimes accepted);
+- a *permutation* target whose greedy next token is ``g(x) = (x + 5) mod V`` whatever the context (its
+  attention and MLP outputs are zero, its embedding is ``sqrt(H)`` times the identity and its LM head the
+  permutation matrix of ``g``), with heads built to copy it exactly: Medusa head k adds ``3 * P(g^k)``
+  to the feature of ``x_t`` so that the LM head's argmax is ``g^{k+1}(x_t)``, and the EAGLE head passes
+  the next token's embedding through (``FC = [I, 0]``, zero attention and MLP outputs), which is the
+  target's next feature. Every draft is accepted.
+
+Both run chains and trees, batch sizes 1 and 4.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from sampling.params import SamplingParams
+from specdec import LLM
+from specdec.drafters.heads import HeadConfig, arch_fields, build_heads, load_heads, save_heads
+from specdec.errors import ConfigError, CorruptModelError, InvalidRequestError
+from specdec.models.config import ModelArchConfig
+
+VOCAB = 64
+PERM_VOCAB = 32
+SHIFT = 5
+
+
+def _head_config(model_dir, method: str, num_heads: int = 4) -> HeadConfig:
+    arch = ModelArchConfig.from_pretrained(model_dir)
+    return HeadConfig(
+        method=method,
+        target=str(model_dir),
+        hidden_size=arch.hidden_size,
+        vocab_size=arch.vocab_size,
+        num_heads=num_heads if method == "medusa" else 1,
+        arch=arch_fields(arch) if method == "eagle" else None,
+    )
+
+
+@pytest.fixture(scope="module")
+def random_setup(tmp_path_factory):
+    from tests.conftest import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("learned_random")
+    make_tiny_hf_model("llama", 6, 2, True, vocab_size=VOCAB, seed=5).save_pretrained(root / "target")
+    torch.manual_seed(0)
+    for method in ("medusa", "eagle"):
+        cfg = _head_config(root / "target", method)
+        heads = build_heads(cfg)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.normal_(0, 0.2)
+        save_heads(heads, cfg, root / method)
+    return root
+
+
+@pytest.fixture(scope="module")
+def perm_setup(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("learned_perm")
+    h = PERM_VOCAB
+    config = LlamaConfig(
+        vocab_size=PERM_VOCAB,
+        hidden_size=h,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).float().eval()
+    perm = torch.zeros(h, h)
+    perm[(torch.arange(h) + SHIFT) % h, torch.arange(h)] = 1.0  # perm @ onehot(x) = onehot(g(x))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(math.sqrt(h) * torch.eye(h))
+        model.lm_head.weight.copy_(perm)
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(root / "target")
+
+    medusa_cfg = _head_config(root / "target", "medusa")
+    medusa = build_heads(medusa_cfg)
+    with torch.no_grad():
+        for k, block in enumerate(medusa.blocks, start=1):
+            block.weight.copy_(3.0 * torch.linalg.matrix_power(perm, k))
+            block.bias.zero_()
+    save_heads(medusa, medusa_cfg, root / "medusa")
+
+    eagle_cfg = _head_config(root / "target", "eagle")
+    eagle = build_heads(eagle_cfg)
+    with torch.no_grad():
+        eagle.fc.weight.zero_()
+        eagle.fc.weight[:, :h].copy_(torch.eye(h))
+        eagle.fc.bias.zero_()
+        eagle.layer.o_proj.weight.zero_()
+        eagle.layer.down_proj.weight.zero_()
+    save_heads(eagle, eagle_cfg, root / "eagle")
+    return root
+
+
+SPECS = {
+    "medusa-chain": {"method": "medusa", "num_speculative_tokens": 3},
+    "medusa-tree": {
+        "method": "medusa",
+        "num_speculative_tokens": 3,
+        "tree": "static",
+        "tree_choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]],
+    },
+    "eagle-chain": {"method": "eagle", "num_speculative_tokens": 4},
+    "eagle-tree": {
+        "method": "eagle",
+        "num_speculative_tokens": 4,
+        "tree": "dynamic",
+        "tree_topk": 3,
+        "max_tree_nodes": 10,
+    },
+}
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    return [[(11 * i + 5 * j) % (vocab - 3) + 3 for j in range(4 + 5 * i)] for i in range(n)]
+
+
+def _run(target, prompts, max_tokens, spec=None):
+    llm = LLM(target, skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_random_heads_greedy_equality(random_setup, name, batch):
+    prompts = _prompts(batch, VOCAB)
+    max_tokens = [19 + 4 * i for i in range(batch)]
+    base, _ = _run(random_setup / "target", prompts, max_tokens)
+    spec = dict(SPECS[name], model=str(random_setup / SPECS[name]["method"]))
+    got, llm = _run(random_setup / "target", prompts, max_tokens, spec)
+    assert got == base
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_copying_heads_are_always_accepted(perm_setup, name, batch):
+    prompts = _prompts(batch, PERM_VOCAB)
+    max_tokens = [21 + 4 * i for i in range(batch)]
+    base, _ = _run(perm_setup / "target", prompts, max_tokens)
+    for p, out in zip(prompts, base):  # the target really is the permutation
+        assert out[0] == (p[-1] + SHIFT) % PERM_VOCAB
+        assert all(b == (a + SHIFT) % PERM_VOCAB for a, b in itertools.pairwise(out))
+    spec = dict(SPECS[name], model=str(perm_setup / SPECS[name]["method"]))
+    got, llm = _run(perm_setup / "target", prompts, max_tokens, spec)
+    assert got == base
+    stats = llm.engine.spec_stats
+    k = spec["num_speculative_tokens"]
+    # Every draft on the greedy path is accepted: full steps emit k + 1 tokens.
+    assert stats.accepted_per_position[k - 1] > 0
+    assert stats.mean_acceptance_length > 0.8 * (k + 1)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_sampled_requests_run_with_trees(random_setup):
+    """Sampled requests with a tree: tokens stay in range and seeded runs repeat (exactness itself is
+    proven by tests/test_tree_verification.py)."""
+    spec = dict(SPECS["eagle-tree"], model=str(random_setup / "eagle"))
+    llm = LLM(random_setup / "target", skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    sp = SamplingParams(temperature=0.8, max_tokens=15, seed=7, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3, VOCAB)]
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert a == b and all(len(x) == 15 and all(0 <= t < VOCAB for t in x) for x in a)
+
+
+def test_head_errors(random_setup, perm_setup, tmp_path):
+    target = random_setup / "target"
+    with pytest.raises(ConfigError, match="no draft heads"):
+        LLM(target, skip_tokenizer_init=True, speculative_config={"method": "eagle", "model": "nope"})
+    with pytest.raises(ConfigError, match="medusa heads, not eagle"):
+        LLM(
+            target,
+            skip_tokenizer_init=True,
+            speculative_config={"method": "eagle", "model": str(random_setup / "medusa")},
+        )
+    with pytest.raises(InvalidRequestError, match="hidden size"):
+        LLM(
+            target,
+            skip_tokenizer_init=True,
+            speculative_config={"method": "medusa", "model": str(perm_setup / "medusa")},
+        )
+    with pytest.raises(ConfigError, match="needs method 'eagle'"):
+        LLM(target, skip_tokenizer_init=True, speculative_config={"method": "medusa", "tree": "dynamic"})
+    with pytest.raises(ConfigError, match="needs method"):
+        LLM(target, skip_tokenizer_init=True, speculative_config={"method": "ngram", "tree": "static"})
+    with pytest.raises(ValueError, match="only 4 Medusa heads"):
+        LLM(
+            target,
+            skip_tokenizer_init=True,
+            speculative_config={
+                "method": "medusa",
+                "model": str(random_setup / "medusa"),
+                "num_speculative_tokens": 5,
+            },
+        )
+    # A truncated weight file is a CorruptModelError naming the directory.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((random_setup / "eagle" / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes((random_setup / "eagle" / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(CorruptModelError, match="bad"):
+        load_heads(str(bad), ModelArchConfig.from_pretrained(target), "eagle", torch.float32)
+
+
+@pytest.mark.parametrize("name", ["medusa-tree", "eagle-chain", "eagle-tree"])
+def test_prefix_caching_and_preemption(random_setup, name):
+    """Shared prefixes (prefix-cache hits) and a KV pool so small that requests are preempted and
+    recomputed: the drafters rebuild their state and the output stays plain greedy."""
+    from specdec.kv_cache.manager import cdiv
+
+    target = random_setup / "target"
+    shared = _prompts(1, VOCAB)[0] * 3
+    prompts = [shared + p for p in _prompts(4, VOCAB)]
+    base, _ = _run(target, prompts, [24] * 4)
+    spec = dict(SPECS[name], model=str(random_setup / SPECS[name]["method"]))
+    from specdec.config import SpeculativeConfig
+
+    slots = SpeculativeConfig(**spec).num_draft_slots
+    need = cdiv(max(len(p) for p in prompts) + 24 - 1 + slots, 4)
+    llm = LLM(target, skip_tokenizer_init=True, block_size=4, speculative_config=spec, num_kv_blocks=need + 2)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert got == base
+    assert max(llm.engine.scheduler.num_preemptions_by_request.values()) >= 1
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+@pytest.mark.real_model
+def test_smollm2_with_our_heads_greedy_equality(smollm2_dir, smol_reference):
+    """The packaged SmolLM2 with the built-in Medusa and EAGLE heads (loaded by name), chains and trees,
+    batch 1 and 5, float32: output equals transformers' greedy decoding token for token."""
+    prompts, refs = smol_reference
+    specs = [
+        {"method": "medusa", "num_speculative_tokens": 4},
+        {"method": "medusa", "num_speculative_tokens": 4, "tree": "static"},
+        {"method": "eagle", "num_speculative_tokens": 4},
+        {"method": "eagle", "num_speculative_tokens": 5, "tree": "dynamic"},
+    ]
+    sp = SamplingParams(temperature=0, max_tokens=64)
+    for spec in specs:
+        llm = LLM(smollm2_dir, dtype="float32", speculative_config=spec)
+        batched = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        assert [o.outputs[0].token_ids for o in batched] == refs, spec
+        alone = llm.generate([{"prompt_token_ids": prompts[0]}], sp)
+        assert alone[0].outputs[0].token_ids == refs[0], spec
+        assert llm.engine.spec_stats.num_accepted_tokens > 0, spec
