@@ -182,13 +182,29 @@ class SpeculativeConfig:
         _check_int("max_tree_nodes", self.max_tree_nodes, 1)
         if self.max_tree_nodes > MAX_TREE_NODES:
             raise ConfigError(f"max_tree_nodes must be <= {MAX_TREE_NODES}, got {self.max_tree_nodes}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ConfigError(f"model must be a name or a directory (str), got {self.model!r}")
         if self.tree_choices is not None:
             if self.tree != "static":
                 raise ConfigError("tree_choices need tree='static'")
             from specdec.drafters.tree import StaticTree
 
+            paths = self.tree_choices
+            if (
+                isinstance(paths, (str, bytes))
+                or not isinstance(paths, (list, tuple))
+                or any(
+                    isinstance(c, (str, bytes))
+                    or not isinstance(c, (list, tuple))
+                    or any(isinstance(r, bool) or not isinstance(r, int) for r in c)
+                    for c in paths
+                )
+            ):
+                raise ConfigError(f"tree_choices must be a list of lists of ints, got {paths!r}")
+            if len(paths) > MAX_TREE_NODES:
+                raise ConfigError(f"tree_choices has {len(paths)} nodes; at most {MAX_TREE_NODES}")
             try:
-                StaticTree.from_choices(self.tree_choices)
+                StaticTree.from_choices(paths)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"tree_choices: {e}") from None
 

@@ -268,3 +268,39 @@ def test_smollm2_with_our_heads_greedy_equality(smollm2_dir, smol_reference):
         alone = llm.generate([{"prompt_token_ids": prompts[0]}], sp)
         assert alone[0].outputs[0].token_ids == refs[0], spec
         assert llm.engine.spec_stats.num_accepted_tokens > 0, spec
+
+
+def test_tree_and_head_config_errors(random_setup, tmp_path):
+    """Found by a break-test pass: each of these used to pass construction and crash later, or raise a
+    raw Python error."""
+    import json
+
+    from specdec.config import SpeculativeConfig
+
+    target = random_setup / "target"
+    medusa, eagle = str(random_setup / "medusa"), str(random_setup / "eagle")
+    wide_static = {"method": "medusa", "model": medusa, "tree": "static", "tree_choices": [[0], [VOCAB]]}
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(target, skip_tokenizer_init=True, speculative_config=wide_static)
+    wide_dynamic = {"method": "eagle", "model": eagle, "tree": "dynamic", "tree_topk": VOCAB + 1}
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(target, skip_tokenizer_init=True, speculative_config=wide_dynamic)
+    for choices in ([[i] for i in range(65)], "01", [[0.7]], [[True]], [0, 1]):
+        with pytest.raises(ConfigError, match="tree_choices"):
+            SpeculativeConfig(method="medusa", tree="static", tree_choices=choices)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="model must be"):
+        SpeculativeConfig(method="eagle", model=5)  # type: ignore[arg-type]
+    raw = json.loads((random_setup / "eagle" / "config.json").read_text())
+    arch = ModelArchConfig.from_pretrained(target)
+    for broken in (
+        {**raw, "arch": {k: v for k, v in raw["arch"].items() if k != "inv_freq"}},
+        {**raw, "arch": "llama"},
+        {**raw, "num_heads": 2.5},
+        {**raw, "hidden_size": "96"},
+    ):
+        d = tmp_path / f"broken{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(broken))
+        (d / "model.safetensors").write_bytes((random_setup / "eagle" / "model.safetensors").read_bytes())
+        with pytest.raises(CorruptModelError):
+            load_heads(str(d), arch, "eagle", torch.float32)

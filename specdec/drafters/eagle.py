@@ -22,9 +22,10 @@ up to ``L - 2``, whose last output predicts the first draft, then drafts:
   gets its top ``tree_topk`` children; finally the ``max_tree_nodes`` best nodes of all depths are kept
   (:func:`specdec.drafters.tree.select_top_nodes`).
 
-With prefix caching, head positions inside reused blocks keep the head K/V the earlier request computed
-there (features are deterministic given the tokens); drafts are verified exactly, so stale head K/V could
-only lower acceptance.
+With prefix caching, head positions inside reused blocks are not recomputed: they hold whatever head K/V
+was written there, the earlier request's (equal, features being deterministic given the tokens) when it
+drafted past them, zeros or stale values otherwise. Drafts are verified exactly, so this can only lower
+acceptance.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DraftInput, DraftProposal
 from specdec.drafters.heads import EagleHead
 from specdec.drafters.tree import select_top_nodes
+from specdec.errors import ConfigError
 from specdec.model_runner import Segment, build_inputs
 from specdec.models.decoder import DecoderLM
 from specdec.request import Request
@@ -93,6 +95,9 @@ class EagleDrafter:
         config: ``num_speculative_tokens`` (chain length / tree depth), ``tree`` None or "dynamic",
             ``tree_topk``, ``max_tree_nodes``.
         num_blocks, block_size: the target's KV pool geometry.
+
+    Raises:
+        ConfigError: ``tree_topk`` larger than the vocabulary.
     """
 
     uses_hidden_states = True
@@ -100,6 +105,10 @@ class EagleDrafter:
     def __init__(
         self, target: DecoderLM, head: EagleHead, config: SpeculativeConfig, num_blocks: int, block_size: int
     ) -> None:
+        if config.tree == "dynamic" and config.tree_topk > target.cfg.vocab_size:
+            raise ConfigError(
+                f"tree_topk={config.tree_topk} exceeds the vocabulary ({target.cfg.vocab_size} tokens)"
+            )
         self.target = target
         self.head = head
         self.config = config

@@ -57,6 +57,12 @@ class HeadConfig:
     training: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "num_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"head config {name} must be an integer, got {value!r}")
+        if self.arch is not None and not isinstance(self.arch, dict):
+            raise ConfigError(f"head config arch must be a mapping, got {type(self.arch).__name__}")
         if self.method not in HEAD_METHODS:
             raise ConfigError(f"head method must be one of {HEAD_METHODS}, got {self.method!r}")
         if self.num_heads < 1:
@@ -218,7 +224,7 @@ def load_heads(
     try:
         raw = json.loads((directory / "config.json").read_text())
         config = HeadConfig(**raw)
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError) as e:  # ConfigError is a ValueError
         raise CorruptModelError(f"{directory}/config.json is not a head config: {e}") from e
     if config.method != method:
         raise ConfigError(f"{name_or_dir!r} holds {config.method} heads, not {method}")
@@ -227,7 +233,10 @@ def load_heads(
             f"heads {name_or_dir!r} were trained for hidden size {config.hidden_size} and vocabulary "
             f"{config.vocab_size}; the target has {target.hidden_size} and {target.vocab_size}"
         )
-    module = build_heads(config)
+    try:
+        module = build_heads(config)
+    except (KeyError, ValueError, TypeError) as e:
+        raise CorruptModelError(f"{directory}/config.json does not describe {method} heads: {e!r}") from e
     try:
         state = load_file(str(directory / "model.safetensors"))
         module.load_state_dict({k: v.float() for k, v in state.items()})

@@ -32,7 +32,7 @@ class MedusaDrafter:
             ``tree`` None or "static", ``tree_choices``.
 
     Raises:
-        ConfigError: k larger than the number of heads.
+        ConfigError: k larger than the number of heads, or a tree rank beyond the vocabulary.
     """
 
     uses_hidden_states = True
@@ -47,6 +47,12 @@ class MedusaDrafter:
         self.heads = heads
         self.config = config
         self.tree = StaticTree.from_choices(config.static_tree_choices()) if config.tree == "static" else None
+        vocab_size = target.cfg.vocab_size
+        if self.tree is not None and self.tree.max_rank >= vocab_size:
+            raise ConfigError(
+                f"tree_choices ask for candidate rank {self.tree.max_rank}, but the vocabulary has only "
+                f"{vocab_size} tokens"
+            )
 
     def observe(self, request: Request, start_position: int, hidden_states: torch.Tensor) -> None:
         request.drafter_state = hidden_states[-1].detach()
