@@ -53,6 +53,11 @@ class _EagleState:
     features_start: int  # position of features[0]
     features: list[torch.Tensor] = field(default_factory=list)  # [n_i, H] chunks, consecutive positions
 
+    @property
+    def features_end(self) -> int:
+        """One past the position of the last known feature."""
+        return self.features_start + sum(f.shape[0] for f in self.features)
+
     def feature_rows(self, start: int, end: int) -> torch.Tensor:
         feats = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
         self.features = [feats]
@@ -132,9 +137,7 @@ class EagleDrafter:
     # ------------------------------------------------------------------ state
     def observe(self, request: Request, start_position: int, hidden_states: torch.Tensor) -> None:
         state = request.drafter_state
-        if not isinstance(state, _EagleState) or start_position != state.features_start + sum(
-            f.shape[0] for f in state.features
-        ):
+        if not isinstance(state, _EagleState) or start_position != state.features_end:
             # A fresh (or re-admitted) request: positions before the first feature are taken as computed
             # (prefix-cached blocks keep the head K/V written when they were filled).
             state = request.drafter_state = _EagleState(start_position, start_position)
@@ -167,8 +170,7 @@ class EagleDrafter:
             if x.max_drafts <= 0 or not isinstance(state, _EagleState):
                 continue
             last = req.num_tokens - 2  # last position with a known target feature
-            known_end = state.features_start + sum(f.shape[0] for f in state.features)
-            if known_end != last + 1:
+            if state.features_end != last + 1:
                 continue  # features missing (should not happen): no drafts this step
             start = min(max(state.num_computed, state.features_start), last)
             segments.append(Segment(req.block_ids, start, req.token_ids[start + 1 : last + 2], 1))
