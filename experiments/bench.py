@@ -53,6 +53,8 @@ from experiments.tracking import (
     run_tracked,
     write_run_files,
 )
+from specdec.memory import measure_read_bandwidth
+from specdec.memory import weight_bytes as step_weight_bytes
 
 logger = logging.getLogger("experiments.bench")
 
@@ -68,23 +70,6 @@ HF_METHOD_NAMES = {
 def _sync(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def measure_read_bandwidth(
-    num_bytes: int = 1 << 30, repeats: int = 5, device: torch.device | str = "cpu"
-) -> float:
-    """Best-of-N streaming read bandwidth in bytes/s: ``torch.sum`` over a ``num_bytes`` float32 tensor."""
-    x = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32, device=device)
-    x.sum()
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    del x
-    return num_bytes / best
 
 
 class ForwardCounter:
@@ -198,9 +183,12 @@ def run_specdec(
     """specdec rows of one method at every concurrency; returns (rows, batch-1 outputs, target weight
     bytes)."""
     from sampling.params import SamplingParams
+    from specdec.quantization.config import QuantizationConfig
 
     llm = _make_llm(cfg, method, device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    # Bytes one batch-1 decode step reads (the calculator's count: every layer, the LM head, one row).
+    quantization = QuantizationConfig.from_any(cfg.engine.quantization_arg())
+    weight_bytes = step_weight_bytes(llm.engine.model.cfg, llm.engine.model.dtype, quantization)[2]
     sp = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
     llm.generate([{"prompt_token_ids": warmup}], SamplingParams(temperature=0.0, max_tokens=4))
     rows: list[dict[str, Any]] = []

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from specdec.config import resolve_dtype
     from specdec.llm import LLM
+    from specdec.memory import weight_bytes as step_weight_bytes
     from specdec.zoo import resolve_model
 
     dtype = resolve_dtype(args.dtype)
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     llm = LLM(model_dir, dtype=args.dtype, device="cpu")
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    # Bytes one batch-1 decode step reads (the calculator's count: every layer, the LM head, one row).
+    weight_bytes = step_weight_bytes(llm.engine.model.cfg, dtype)[2]
     bandwidth = measure_read_bandwidth()
     floor_s = weight_bytes / bandwidth
     result: dict = {

@@ -128,6 +128,37 @@ class DraftModelDrafterConfig(DrafterConfig):
         }
 
 
+@dataclass
+class QuantizedSelfDrafterConfig(DrafterConfig):
+    """The target's own weights, quantized, draft for it (no second checkpoint, no training).
+
+    Attributes:
+        quantization: ``int4`` or ``int8`` (see :mod:`specdec.quantization`).
+        group_size: int4 columns per scale, 32/64/128 (None: 64).
+        zero_point: int4 only: asymmetric groups (the zoo's GGUF-converted models' own 4-bit grid at 32).
+        num_speculative_tokens: draft tokens per step (K).
+    """
+
+    method: str = "quantized_self"
+    quantization: str = "int4"
+    group_size: int | None = None
+    zero_point: bool = False
+    num_speculative_tokens: int = 4
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """``{"method": "quantized_self", ...}`` for ``specdec.LLM``."""
+        scheme: dict[str, Any] = {"method": self.quantization}
+        if self.group_size is not None:
+            scheme["group_size"] = self.group_size
+        if self.zero_point:
+            scheme["zero_point"] = True
+        return {
+            "method": "quantized_self",
+            "quantization": scheme,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+
+
 #: Static-tree and dynamic-tree settings of the learned-head drafters (``SpeculativeConfig.tree``).
 HEAD_TREES = (None, "static", "dynamic")
 
@@ -378,6 +409,10 @@ class EngineConfig:
         max_model_len: longest sequence (None: the model's).
         torch_threads: ``torch.set_num_threads`` for the job (None: torch's default, which under Ray is
             the task's ``num_cpus``).
+        quantization: weight-only quantization of the target, ``int8`` or ``int4`` (None: none).
+        quantization_group_size: int4 columns per scale, 32/64/128 (None: 64).
+        quantization_zero_point: int4 only: asymmetric groups.
+        kv_cache_dtype: ``auto`` (the model's dtype) or ``int8``.
     """
 
     dtype: Dtype | None = None
@@ -390,6 +425,21 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     torch_threads: int | None = None
+    quantization: str | None = None
+    quantization_group_size: int | None = None
+    quantization_zero_point: bool = False
+    kv_cache_dtype: str = "auto"
+
+    def quantization_arg(self) -> dict[str, Any] | None:
+        """``specdec.LLM``'s ``quantization`` argument (None: full precision)."""
+        if self.quantization is None:
+            return None
+        scheme: dict[str, Any] = {"method": self.quantization}
+        if self.quantization_group_size is not None:
+            scheme["group_size"] = self.quantization_group_size
+        if self.quantization_zero_point:
+            scheme["zero_point"] = True
+        return scheme
 
     def llm_kwargs(self, model: ModelConfig) -> dict[str, Any]:
         """Keyword arguments of ``specdec.LLM`` (the device still unresolved: see
@@ -403,6 +453,8 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_seqs": self.max_num_seqs,
             "max_model_len": self.max_model_len,
+            "quantization": self.quantization_arg(),
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
 
 
@@ -665,6 +717,7 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
     ("drafter", "draft_model_schema"): DraftModelDrafterConfig,
     ("drafter", "medusa_schema"): MedusaDrafterConfig,
     ("drafter", "eagle_schema"): EagleDrafterConfig,
+    ("drafter", "quantized_self_schema"): QuantizedSelfDrafterConfig,
     ("dataset", "builtin_schema"): BuiltinDatasetConfig,
     ("dataset", "jsonl_schema"): JsonlDatasetConfig,
     ("dataset", "humaneval_schema"): HumanEvalDatasetConfig,

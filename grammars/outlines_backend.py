@@ -34,7 +34,6 @@ and the index size is checked there against ``max_index_states`` before it is sh
 from __future__ import annotations
 
 import json
-import pickle
 import subprocess
 import sys
 import threading
@@ -392,24 +391,25 @@ class OutlinesBackend:
             if self._token_map_payload is None:
                 token_map = self.vocabulary.outlines_token_map()
                 token_map.setdefault(_SENTINEL_BYTES, []).append(self.sentinel_token_id)
-                self._token_map_payload = pickle.dumps(token_map, protocol=pickle.HIGHEST_PROTOCOL)
+                pairs = [[token.hex(), [int(i) for i in ids]] for token, ids in token_map.items()]
+                self._token_map_payload = json.dumps(pairs, separators=(",", ":")).encode()
             return self._token_map_payload
 
     def _build_in_subprocess(self, regex: str, t0: float) -> tuple[outlines_core.Index, int]:
-        job = {
+        header = {
             "regex": regex,
             "eos_token_id": self.vocabulary.eos_token_ids[0],
-            "token_map": self._vocabulary_payload(),
             "max_states": self.max_index_states,
             "memory_limit_bytes": self.compile_memory_limit_bytes,
         }
+        job = json.dumps(header).encode() + b"\n" + self._vocabulary_payload()
         remaining = self.compile_timeout_s - (time.perf_counter() - t0)
         try:
             if remaining <= 0:
                 raise subprocess.TimeoutExpired(str(_WORKER), self.compile_timeout_s)
             proc = subprocess.run(
                 [sys.executable, str(_WORKER)],
-                input=pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL),
+                input=job,
                 capture_output=True,
                 timeout=remaining,
                 check=False,
@@ -421,11 +421,20 @@ class OutlinesBackend:
         if proc.returncode != 0 or not proc.stdout:
             tail = proc.stderr.decode(errors="replace")[-500:]
             raise GrammarCompileError(f"the index-building process failed (exit {proc.returncode}): {tail}")
-        result = pickle.loads(proc.stdout)
-        if result[0] == "ok":
-            _, binary, num_states, _ = result
-            return outlines_core.Index.from_binary(binary), int(num_states)
-        _, kind, message = result
+        line, _, binary = proc.stdout.partition(b"\n")
+        try:
+            result = json.loads(line)
+        except ValueError:
+            raise GrammarCompileError(
+                f"the index-building process answered garbage: {line[:200]!r}"
+            ) from None
+        if result.get("status") == "ok":
+            if len(binary) != result["size"]:
+                raise GrammarCompileError(
+                    f"the index-building process sent {len(binary)} of {result['size']} bytes of the index"
+                )
+            return outlines_core.Index.from_binary(binary), int(result["num_states"])
+        kind, message = result.get("kind"), result.get("message")
         if kind == "too_large":
             raise GrammarTooLargeError(
                 f"the grammar's token index has {message}, more than max_index_states={self.max_index_states}"

@@ -27,6 +27,12 @@ MAX_LOGPROBS = 20
 #: Bound of the OpenAI API's presence and frequency penalties.
 MAX_OPENAI_PENALTY = 2.0
 
+#: Largest ``top_k`` accepted (any value at or above the vocabulary size keeps every token).
+MAX_TOP_K = 2**31 - 1
+
+#: Largest ``n`` (samples of one prompt, each a request of its own).
+MAX_N = 4096
+
 
 def coerce_scalars(obj: object, float_fields: Sequence[str], int_fields: Sequence[str]) -> None:
     """Turn NumPy (or other ``numbers``) scalars in these fields into Python ``float`` / ``int``, so
@@ -39,6 +45,17 @@ def coerce_scalars(obj: object, float_fields: Sequence[str], int_fields: Sequenc
         v = getattr(obj, name)
         if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
             setattr(obj, name, int(v))
+
+
+def _check_unicode(text: str, field: str) -> None:
+    """Raise unless ``text`` encodes as UTF-8 (a str may hold lone surrogates, which no tokenizer or
+    grammar compiler accepts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{field} is not valid Unicode text: {text[e.start]!r} at position {e.start} ({e.reason})"
+        ) from None
 
 
 def _is_number(x: object) -> bool:
@@ -56,7 +73,8 @@ class SamplingParams:
     Attributes:
         temperature: 0 means greedy (argmax of the processed logits); otherwise the processed logits are
             divided by it before softmax. A finite number >= 0.
-        top_k: keep the ``top_k`` largest logits (and every token tied with the k-th); 0 or -1: off.
+        top_k: keep the ``top_k`` largest logits (and every token tied with the k-th); 0 or -1: off; at
+            most ``2**31 - 1`` (:data:`MAX_TOP_K`; values at or above the vocabulary size keep every token).
         top_p: nucleus sampling, keep the smallest set of most probable tokens whose mass reaches
             ``top_p`` (at least one token); in (0, 1], 1 = off.
         min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the largest
@@ -79,8 +97,8 @@ class SamplingParams:
         logprobs: None, or N in [0, 20]: return per generated token the log-probability of the chosen
             token and of the N most likely tokens, under the processed distribution (see
             :mod:`sampling.processors`).
-        n: independent samples per prompt (>= 1); sample i > 0 of a seeded request uses a seed derived
-            from ``(seed, i)``.
+        n: independent samples per prompt, 1 <= n <= 4096 (:data:`MAX_N`); sample i > 0 of a seeded request
+            uses a seed derived from ``(seed, i)``.
         json_schema: constrain the output to JSON valid under this schema (a dict or a JSON string;
             outlines-core's regex for it, with bounded whitespace). See :mod:`grammars`.
         regex: constrain the output to a full match of this regular expression.
@@ -129,8 +147,10 @@ class SamplingParams:
         )
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequestError(
+                f"top_k must be an integer >= -1 (0 or -1: off) and <= {MAX_TOP_K}, got {self.top_k!r}"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
@@ -170,14 +190,16 @@ class SamplingParams:
             stops = list(stops)
             if not all(isinstance(s, str) and s for s in stops):
                 raise InvalidRequestError(f"stop must hold non-empty strings, got {stops!r}")
+            for s in stops:
+                _check_unicode(s, "a stop string")
             self.stop = stops
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise InvalidRequestError(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
-        if not _is_int(self.n) or self.n < 1:
-            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         self._validate_grammar()
@@ -189,6 +211,7 @@ class SamplingParams:
         if self.json_schema is not None:
             schema = self.json_schema
             if isinstance(schema, str):
+                _check_unicode(schema, "json_schema")
                 try:
                     schema = json.loads(schema)
                 except ValueError as e:
@@ -197,8 +220,15 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"json_schema must be a JSON object (dict or JSON string), got {type(schema).__name__}"
                 )
+            try:
+                text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError) as e:  # not JSON data (sets, objects, NaN...), or circular
+                raise InvalidRequestError(f"json_schema is not JSON data: {e}") from None
+            _check_unicode(text, "json_schema")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise InvalidRequestError(f"regex must be a non-empty string, got {self.regex!r}")
+        if self.regex is not None:
+            _check_unicode(self.regex, "regex")
         if self.choice is not None:
             if isinstance(self.choice, (str, bytes, dict)) or not isinstance(self.choice, Iterable):
                 raise InvalidRequestError(f"choice must be a list of strings, got {self.choice!r}")
@@ -207,6 +237,8 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"choice must be a non-empty list of non-empty strings, got {choices!r}"
                 )
+            for c in choices:
+                _check_unicode(c, "a choice")
             self.choice = choices
         if not isinstance(self.strict, bool):
             raise InvalidRequestError(f"strict must be a bool, got {self.strict!r}")

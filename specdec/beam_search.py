@@ -184,13 +184,20 @@ def _prefill(engine: LLMEngine, reqs: list[Request]) -> torch.Tensor:
     return torch.stack([r for r in rows if r is not None])
 
 
-def _advance(engine: LLMEngine, parents: list[Request], selection: list[tuple[int, int]]) -> list[Request]:
+def _advance(
+    engine: LLMEngine,
+    parents: list[Request],
+    selection: list[tuple[int, int]],
+    created: list[Request] | None = None,
+) -> list[Request]:
     """The new running beams, in ``selection`` order: a parent's first continuation reuses the parent, the
     others fork it (the copy-on-write copies run before returning); parents without one free their blocks.
 
     Args:
         parents: the running beams, whose K/V covers every token but the last.
         selection: ``(parent index, token id)`` of each new beam (from ``BeamSearchState.step``).
+        created: each forked beam is appended here as soon as it holds blocks, so that a caller
+            interrupted before this returns can still free it.
     """
     kv = engine.kv
     first: dict[int, int] = {}
@@ -205,6 +212,8 @@ def _advance(engine: LLMEngine, parents: list[Request], selection: list[tuple[in
         if first[p] != j:
             parent = parents[p]
             child = Request(parent.request_id, parent.prompt_token_ids, parent.sampling_params, 0)
+            if created is not None:
+                created.append(child)
             copies.extend(kv.fork(parent, child))
             child.token_ids = parent.token_ids + [token]
             beams[j] = child
@@ -219,15 +228,18 @@ def _advance(engine: LLMEngine, parents: list[Request], selection: list[tuple[in
 def _run_group(
     engine: LLMEngine, prompts: list[list[int]], states: list[BeamSearchState], params: BeamSearchParams
 ) -> None:
-    """Beam search of a group of prompts whose KV fits the pool; every block is free again on return."""
+    """Beam search of a group of prompts whose KV fits the pool; every block is free again on return,
+    also when it is interrupted (an exception, KeyboardInterrupt included, at any point)."""
     kv, runner = engine.kv, engine.runner
     beams: list[list[Request]] = []
+    created: list[Request] = []  # every beam that may hold blocks
     try:
         for i, (prompt, state) in enumerate(zip(prompts, states)):
             sp = SamplingParams(
                 temperature=0.0, max_tokens=state.max_new_tokens, ignore_eos=params.ignore_eos
             )
             beams.append([Request(f"beam-{i}", prompt, sp, 0)])
+            created.append(beams[-1][0])
         log_probs = torch.log_softmax(_prefill(engine, [b[0] for b in beams]).float(), dim=-1)
         active = list(range(len(prompts)))
         while active:
@@ -241,7 +253,9 @@ def _run_group(
                         kv.free(beam)
                     beams[i] = []
                 else:
-                    beams[i] = _advance(engine, beams[i], selection)
+                    beams[i] = _advance(engine, beams[i], selection, created)
+                    if len(created) > 4 * sum(len(b) for b in beams):  # forget freed beams now and then
+                        created = [r for r in created if r.block_ids]
             active = [i for i in active if not states[i].done]
             if not active:
                 break
@@ -256,10 +270,9 @@ def _run_group(
                 for beam in beams[i]:
                     beam.num_computed_tokens += 1
             log_probs = torch.log_softmax(logits.float(), dim=-1)
-    finally:  # also on errors: every block back to the pool
-        for group_beams in beams:
-            for beam in group_beams:
-                kv.free(beam)
+    finally:  # also on errors and interrupts: every block back to the pool
+        for beam in created:
+            kv.free(beam)
 
 
 def beam_search(

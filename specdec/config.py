@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specdec.quantization.config import QuantizationConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,14 +34,20 @@ class CacheConfig:
             sequences, capped at ``kv_cache_memory_bytes``.
         enable_prefix_caching: share full blocks of equal prefixes between requests.
         kv_cache_memory_bytes: memory budget for the pool when ``num_kv_blocks`` is None.
+        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` (one float32 scale per token and KV
+            head; see :mod:`specdec.quantization.kv_cache`). A draft model's KV stays in its own dtype.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int = 2 * 1024**3
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        from specdec.quantization.kv_cache import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
         _check_int("block_size", self.block_size, 1)
         _check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
@@ -101,7 +111,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 #: Largest ``num_speculative_tokens`` accepted (beyond this, acceptance of the last positions is ~0).
 MAX_SPECULATIVE_TOKENS = 16
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "quantized_self")
 TREE_KINDS = (None, "static", "dynamic")
 #: Largest token tree verified per request per step.
 MAX_TREE_NODES = 64
@@ -121,7 +131,8 @@ class SpeculativeConfig:
     Attributes:
         method: "ngram" (prompt lookup, Saxena 2023), "draft_model" (a smaller model with the
             target's tokenizer; Leviathan et al. 2023, Chen et al. 2023), "medusa" (Medusa-1 heads, Cai
-            et al. 2024) or "eagle" (an EAGLE head, Li et al. 2024).
+            et al. 2024), "eagle" (an EAGLE head, Li et al. 2024) or "quantized_self" (the target's own
+            weights quantized, see ``quantization``; a draft model that needs no second checkpoint).
         num_speculative_tokens: k, the most draft tokens per step of a chain, or the deepest level of a
             tree (1..16).
         prompt_lookup_max, prompt_lookup_min: n-gram sizes tried by "ngram", longest first.
@@ -129,6 +140,10 @@ class SpeculativeConfig:
             (a folder of ``specdec/heads``) or a head checkpoint directory, None for the target's
             built-in heads (``<target zoo name>-<method>``).
         draft_dtype: dtype of the draft model or heads; None: the target's.
+        quantization: "quantized_self" only: the drafter is the target's own weights quantized, ``"int4"``,
+            ``"int8"`` or a dict of :class:`~specdec.quantization.config.QuantizationConfig` fields (e.g.
+            ``{"method": "int4", "group_size": 32}``); it shares the target's tokenizer and embedding, has
+            its own KV, and the full-precision target verifies its drafts as any draft model's.
         tree: None (a chain of k drafts), "static" (a Medusa tree from ``tree_choices``; medusa only) or
             "dynamic" (EAGLE-2's tree; eagle only).
         tree_choices: the static tree's index paths (None: :data:`DEFAULT_TREE_CHOICES`); paths deeper than
@@ -147,6 +162,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None
     draft_dtype: str | None = None
+    quantization: str | dict | None = None
     tree: str | None = None
     tree_choices: list[list[int]] | None = None
     tree_topk: int = 4
@@ -182,6 +198,20 @@ class SpeculativeConfig:
         _check_int("max_tree_nodes", self.max_tree_nodes, 1)
         if self.max_tree_nodes > MAX_TREE_NODES:
             raise ConfigError(f"max_tree_nodes must be <= {MAX_TREE_NODES}, got {self.max_tree_nodes}")
+        if self.method == "quantized_self":
+            if self.model is not None:
+                raise ConfigError(
+                    "speculative method 'quantized_self' drafts with the target's own weights "
+                    f"(got model={self.model!r})"
+                )
+            if self.quantization is None:
+                raise ConfigError("speculative method 'quantized_self' needs quantization='int4' or 'int8'")
+        elif self.quantization is not None:
+            raise ConfigError(
+                f"quantization={self.quantization!r} applies to method 'quantized_self' only "
+                "(quantize the target itself with LLM(..., quantization=...))"
+            )
+        self.quantization_config()  # validates the scheme and group size
         if self.model is not None and not isinstance(self.model, str):
             raise ConfigError(f"model must be a name or a directory (str), got {self.model!r}")
         if self.tree_choices is not None:
@@ -207,6 +237,13 @@ class SpeculativeConfig:
                 StaticTree.from_choices(paths)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"tree_choices: {e}") from None
+
+    def quantization_config(self) -> QuantizationConfig | None:
+        """The quantized self-drafter's :class:`~specdec.quantization.config.QuantizationConfig` (None for
+        other methods)."""
+        from specdec.quantization.config import QuantizationConfig
+
+        return QuantizationConfig.from_any(self.quantization)
 
     def static_tree_choices(self) -> list[list[int]]:
         """The static tree's paths, limited to depth k (and for Medusa, to k heads)."""

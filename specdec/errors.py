@@ -2,6 +2,12 @@
 
 Every error a user can cause is a subclass of :class:`SpecdecError`; errors about bad arguments also
 subclass :class:`ValueError` so that ``except ValueError`` keeps working for callers who expect it.
+
+Bad input raises before any work starts. A fault that appears while a request runs and concerns that
+request alone (its grammar fails to compile, its logits rows turn NaN or infinite, its drafter or its
+grammar raises) does not raise: the request ends with ``finish_reason == "error"`` and a message in
+``CompletionOutput.error``, its KV blocks are freed, and the other requests go on unchanged (see
+:meth:`specdec.engine.LLMEngine.step`).
 """
 
 from __future__ import annotations
@@ -40,3 +46,9 @@ class KVCacheExhaustedError(SpecdecError):
 
 class ConfigError(SpecdecError, ValueError):
     """An engine, cache, scheduler or speculative configuration value is invalid (raised before loading)."""
+
+
+class CacheDirectoryError(SpecdecError):
+    """The cache folder (``$SPECDEC_CACHE_DIR``, default ``~/.cache/specdec``) cannot be created or written,
+    so a zoo model cannot be converted into it. Raised before anything is downloaded; models already
+    converted there are still served from a read-only cache."""

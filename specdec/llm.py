@@ -19,6 +19,7 @@ from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, reso
 from specdec.engine import LLMEngine
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.quantization.config import QuantizationConfig
 from specdec.request import Request
 
 if TYPE_CHECKING:
@@ -46,7 +47,16 @@ class LLM:
         speculative_config: a :class:`~specdec.config.SpeculativeConfig` or a dict of its fields, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4}`` or ``{"method": "draft_model",
             "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}`` or ``{"method": "eagle",
-            "tree": "dynamic"}`` (the target's built-in heads); None: no speculation.
+            "tree": "dynamic"}`` (the target's built-in heads) or ``{"method": "quantized_self",
+            "quantization": "int4"}`` (the target's own weights quantized); None: no speculation.
+        kv_cache_memory_bytes: memory budget of the KV pool when ``num_kv_blocks`` is None.
+        quantization: weight-only quantization of the linear layers at load time: None, ``"int8"`` (one
+            scale per output channel), ``"int4"`` (one scale per group of 64 input columns), or a dict /
+            :class:`~specdec.quantization.config.QuantizationConfig` (``group_size`` 32/64/128,
+            ``zero_point``, ``lm_head``, ``kernel``). Speed pays in bfloat16 on the CPU; see
+            :mod:`specdec.quantization.linear`.
+        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` (one scale per token and KV head;
+            attention by the reference backend).
 
     Raises:
         UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.
@@ -68,6 +78,8 @@ class LLM:
         seed: int = 0,
         speculative_config: Any = None,
         kv_cache_memory_bytes: int = 2 * 1024**3,
+        quantization: Any = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         from specdec.drafters.heads import default_heads_name, resolve_heads_dir
         from specdec.zoo import resolve_model
@@ -76,7 +88,10 @@ class LLM:
             raise ConfigError(f"seed must be an integer, got {seed!r}")
         spec = SpeculativeConfig.from_any(speculative_config)
         torch_dtype = resolve_dtype(dtype)
-        cache_config = CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes)
+        quantization_config = QuantizationConfig.from_any(quantization)
+        cache_config = CacheConfig(
+            block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes, kv_cache_dtype
+        )
         scheduler_config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
         self.model_dir = resolve_model(model)
         # Resolve (fetch) the draft model or heads before any loading, so a bad name fails first.
@@ -99,6 +114,7 @@ class LLM:
             seed,
             speculative_config=spec,
             draft_model_dir=draft_dir,
+            quantization=quantization_config,
         )
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = set(self.engine.model_cfg.eos_token_ids) | {self.tokenizer.eos_token_id}
@@ -119,10 +135,16 @@ class LLM:
                     f"'prompt_token_ids' must be a list of ints, got {type(ids).__name__}"
                 )
             return None, list(ids)
+        if isinstance(prompt, (bytes, bytearray)):
+            raise InvalidRequestError(
+                "a prompt is a str or {'prompt_token_ids': [...]}, got bytes: decode it first "
+                "(e.g. data.decode('utf-8', errors='replace'))"
+            )
         if not isinstance(prompt, str):
             raise InvalidRequestError(
                 f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt)}"
             )
+        check_utf8(prompt, "the prompt")
         if self.tokenizer is None:
             raise InvalidRequestError("skip_tokenizer_init=True: give prompts as {'prompt_token_ids': [...]}")
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -266,8 +288,14 @@ class LLM:
             KVCacheExhaustedError: one request cannot fit the KV pool even alone.
         """
         added = self._add_all(prompts, sampling_params)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        try:
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        except BaseException:  # interrupted (KeyboardInterrupt...) or an engine error: free our requests
+            for _, reqs in added:
+                for r in reqs:
+                    self.engine.abort_request(r.request_id)
+            raise
         return [self._output(text, reqs) for text, reqs in added]
 
     def stream(
@@ -325,6 +353,8 @@ class LLM:
             )
         conversations: list[Any] = [messages] if messages and isinstance(messages[0], dict) else messages
         for conv in conversations:
+            if isinstance(conv, list) and not conv:
+                raise InvalidRequestError("a conversation is empty: give at least one message")
             if not isinstance(conv, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in conv
@@ -332,6 +362,8 @@ class LLM:
                 raise InvalidRequestError(
                     "each conversation must be a list of {'role': str, 'content': str} messages"
                 )
+            for m in conv:
+                check_utf8(m["content"], "a message's content")
         prompts: list[Prompt] = [
             {"prompt_token_ids": chat_token_ids(self.tokenizer, conv, add_generation_prompt)}
             for conv in conversations
@@ -371,6 +403,22 @@ class LLM:
                 for seq in out.sequences:
                     seq.text = str(self.tokenizer.decode(seq.token_ids, skip_special_tokens=True))
         return outputs
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Raise unless ``text`` can be encoded as UTF-8 (a Python str can hold lone surrogates, e.g. from
+    ``bytes.decode(errors="surrogateescape")``, which no tokenizer accepts).
+
+    Raises:
+        InvalidRequestError: naming the first offending character and its position.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{what} is not valid Unicode text: {text[e.start]!r} at position {e.start} ({e.reason}); "
+            "decode bytes with errors='replace' instead of 'surrogateescape'"
+        ) from None
 
 
 def chat_token_ids(

@@ -8,7 +8,9 @@ import torch
 
 from specdec.attention.base import AttentionBackend, AttentionMetadata
 from specdec.attention.reference import ReferenceAttention
+from specdec.errors import ConfigError
 from specdec.models.decoder import DecoderLM
+from specdec.quantization.kv_cache import allocate_kv_caches, kv_bytes_per_token
 from specdec.scheduler import ScheduledRequest
 
 
@@ -96,7 +98,7 @@ def build_inputs(segments: list[Segment], block_size: int, device: torch.device)
 
 
 def select_attention_backend(
-    device: torch.device, choice: AttentionBackend | str | None = None
+    device: torch.device, choice: AttentionBackend | str | None = None, kv_cache_dtype: str = "auto"
 ) -> AttentionBackend:
     """The attention backend for a model on ``device``.
 
@@ -105,13 +107,23 @@ def select_attention_backend(
         choice: a backend instance (used as is), ``"triton"``, ``"reference"``, or None / ``"auto"``:
             Triton (:class:`~specdec.attention.triton_backend.TritonAttention`) on CUDA when triton
             imports and ``SPECDEC_FORCE_REFERENCE`` is not set, the pure-torch reference otherwise.
+        kv_cache_dtype: ``"int8"`` is read and written by the reference only: ``"auto"`` then picks it
+            (also on CUDA).
 
     Raises:
         ValueError: an unknown backend name.
+        ConfigError: ``"triton"`` asked for with an int8 KV cache.
     """
     if choice is not None and not isinstance(choice, str):
         return choice
     name = choice or "auto"
+    if kv_cache_dtype == "int8":
+        if name == "triton":
+            raise ConfigError(
+                "kv_cache_dtype='int8' is implemented by the reference attention backend only; "
+                "use attention='reference' (or 'auto') or kv_cache_dtype='auto' with Triton"
+            )
+        name = "reference" if name == "auto" else name
     if name == "auto":
         from kernels._triton import force_reference, triton_available
 
@@ -135,6 +147,8 @@ class ModelRunner:
         block_size: tokens per block.
         attention: attention backend, an instance or a name (see :func:`select_attention_backend`;
             default: Triton kernels on CUDA, the pure-torch reference elsewhere).
+        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` (see
+            :mod:`specdec.quantization.kv_cache`).
     """
 
     def __init__(
@@ -143,28 +157,24 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         attention: AttentionBackend | str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.block_size = block_size
         cfg = model.cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.attention = select_attention_backend(self.device, attention)
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zero-filled: padded reads of unused slots are masked, and 0 * finite stays finite.
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attention = select_attention_backend(self.device, attention, kv_cache_dtype)
+        self.kv_caches = allocate_kv_caches(
+            cfg, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype
+        )
 
     @staticmethod
-    def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
-        cfg = model.cfg
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    def kv_bytes_per_block(
+        model: DecoderLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> int:
+        return block_size * kv_bytes_per_token(model.cfg, dtype, kv_cache_dtype)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
         """Flatten the scheduled requests: each contributes its committed new tokens followed by its

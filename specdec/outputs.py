@@ -16,8 +16,10 @@ class CompletionOutput:
         index: index among the prompt's samples.
         token_ids: generated token ids (prompt excluded), ending at the first stop token.
         text: detokenized ``token_ids`` ("" when the tokenizer was skipped).
-        finish_reason: "stop" (EOS or a stop token), "length" (``max_tokens`` or ``max_model_len``),
-            "abort", or None while running.
+        finish_reason: "stop" (EOS, a stop token, a stop string or a completed grammar), "length"
+            (``max_tokens`` or ``max_model_len``), "abort" (``LLMEngine.abort_request``, or the caller
+            stopped iterating a stream), "error" (the engine ended this request alone because of a fault:
+            see ``error``), or None while running.
         new_token_ids: tokens added since the last streamed chunk (streaming only).
         logprobs: with ``SamplingParams.logprobs`` set, per generated token a dict token id ->
             :class:`~sampling.logprobs.Logprob` (the chosen token and the top N); else None.
@@ -25,7 +27,11 @@ class CompletionOutput:
         stop_reason: the stop string or stop token id that ended generation (None for EOS or length).
         schema_valid: with ``SamplingParams.json_schema``, whether the finished text parses and validates
             with ``jsonschema`` (False also when ``max_tokens`` cut it short); else None.
-        error: why the engine aborted the request (e.g. its grammar failed to compile), else None.
+        error: with ``finish_reason == "error"``, what went wrong, e.g. ``"GrammarCompileError: ..."`` (its
+            grammar failed to compile), ``"non-finite logits: ..."`` (NaN or infinity in its logits rows,
+            e.g. from a numeric overflow), or the exception its drafter or grammar raised; the tokens
+            generated before the fault are kept. None otherwise. Every other request of the batch is
+            unaffected.
     """
 
     index: int

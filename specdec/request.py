@@ -24,6 +24,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    #: Ended by the engine because of a fault of this request alone (``Request.error`` says which).
+    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -34,6 +36,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -71,6 +74,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        #: Scheduling priority: order of entry into the scheduler (smaller is older; see specdec.scheduler).
         self.arrival_index = arrival_index
         self.stop_ids = frozenset(sampling_params.stop_token_ids) | (
             frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
@@ -99,7 +103,8 @@ class Request:
         self.checked_text_len = 0
         #: The request's grammar matcher (constrained decoding), fed exactly the committed output tokens.
         self.grammar: Grammar | None = None
-        #: Why the request was aborted by the engine (e.g. its grammar failed to compile), if it was.
+        #: Why the engine ended the request (status ``FINISHED_ERROR``): its grammar failed to compile, its
+        #: logits were not finite, its drafter or grammar raised. None otherwise.
         self.error: str | None = None
 
     @property

@@ -1,9 +1,11 @@
 """Continuous batching with a token budget, chunked prefill, prefix caching and preemption.
 
-Policy (first come, first served by arrival):
+Policy (first come, first served, by ``Request.arrival_index``: the order in which requests entered the
+scheduler, i.e. their arrival, or for a constrained request the moment its grammar finished compiling):
 
 1. Running requests, oldest first, each get the tokens they still need (one decode token, or the rest of
-   a prompt as a chunk) while the step's token budget lasts.
+   a prompt as a chunk) while the step's token budget lasts; a request whose tokens reach the end of its
+   committed sequence also gets slots for its drafts when speculating.
 2. When the KV pool cannot hold a running request's new tokens, the *newest* running request is
    preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
    later (its prompt and the tokens it already generated become one prefill). The oldest request is
@@ -11,6 +13,13 @@ Policy (first come, first served by arrival):
    waits at most until every older request has finished.
 3. If nothing was preempted, waiting requests join in arrival order while budget, ``max_num_seqs`` and
    free blocks allow, reusing prefix-cached blocks.
+
+Invariant and bound (tested under load in ``tests/test_load.py``): every running request is older than
+every waiting one, so at every step the oldest unfinished request is scheduled, computes at least one
+token and is not preempted (a request alone always fits the pool: ``LLMEngine.validate``). Once oldest,
+a request with prompt P, at most M generated tokens and budget B per step finishes within
+``ceil((P + M - 1) / B) + M`` steps; a request therefore finishes within the sum of that figure over the
+requests that entered no later than it and were unfinished when it entered.
 
 There are no prefill and decode phases: every request simply has ``num_computed_tokens`` of its
 ``num_tokens`` in the cache, and a step moves that forward (as in vLLM v1).
@@ -101,18 +110,25 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _num_draft_slots(self, req: Request, budget: int) -> tuple[int, int]:
-        """``(slots, depth)`` a decoding request may verify: the drafter's slots (k, or a tree's size)
-        limited by the token budget, and the depth k limited by ``max_tokens`` and ``max_model_len`` (a
-        step emits at most depth + 1 tokens)."""
-        if not self.num_speculative_tokens or req.num_tokens - req.num_computed_tokens != 1:
+    def _num_draft_slots(
+        self, req: Request, num_computed: int, num_new_tokens: int, budget: int
+    ) -> tuple[int, int]:
+        """``(slots, depth)`` a request may verify when its ``num_new_tokens`` after its first
+        ``num_computed`` (KV already cached: computed, or prefix-cache hits) reach the end of its
+        committed tokens (a decode step, or the last chunk of a prefill or of a recompute after
+        preemption): the drafter's slots (k, or a tree's size) limited by the token budget left after the
+        new tokens, and the depth k limited by ``max_tokens`` and ``max_model_len`` (a step emits at most
+        depth + 1 tokens). Unless the budget cuts them, the drafts a request verifies depend on the
+        request alone, so a preempted request drafts after its recompute exactly as it would have."""
+        if not self.num_speculative_tokens or num_computed + num_new_tokens != req.num_tokens:
             return 0, 0
+        left = budget - num_new_tokens
         remaining = req.sampling_params.max_tokens - req.num_output_tokens
         room = self.max_model_len - req.num_tokens
-        depth = max(0, min(self.num_speculative_tokens, budget - 1, remaining - 1, room - 1))
+        depth = max(0, min(self.num_speculative_tokens, left, remaining - 1, room - 1))
         if depth == 0:
             return 0, 0
-        slots = max(0, min(self.num_draft_slots, budget - 1))
+        slots = max(0, min(self.num_draft_slots, left))
         return slots, min(depth, slots)
 
     def _preempt(self, request: Request) -> None:
@@ -132,7 +148,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            k, depth = self._num_draft_slots(req, budget)
+            k, depth = self._num_draft_slots(req, req.num_computed_tokens, n, budget)
             while not self.kv.allocate_slots(req, n + k):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -152,7 +168,8 @@ class Scheduler:
                 hits = self.kv.get_computed_blocks(req)
                 num_hit_tokens = len(hits) * self.kv.block_size
                 n = min(req.num_tokens - num_hit_tokens, budget)
-                if not self.kv.allocate_slots(req, n, new_computed_blocks=hits):
+                k, depth = self._num_draft_slots(req, num_hit_tokens, n, budget)
+                if not self.kv.allocate_slots(req, n, k, new_computed_blocks=hits):
                     break
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
@@ -164,8 +181,9 @@ class Scheduler:
                 else:
                     keys = [r.arrival_index for r in self.running]
                     self.running.insert(bisect.bisect(keys, req.arrival_index), req)
-                scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
-                budget -= n
+                sample = req.num_computed_tokens + n == req.num_tokens
+                scheduled.append(ScheduledRequest(req, n, sample, k, depth))
+                budget -= n + k
         return SchedulerOutput(scheduled, preempted)
 
     def finish(self, request: Request, status: RequestStatus) -> None:

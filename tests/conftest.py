@@ -156,3 +156,28 @@ def smol_reference(smollm2_dir):
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     refs = [hf_greedy(hf_model, p, 64, eos=tok.eos_token_id) for p in prompts]
     return prompts, refs
+
+
+def save_tiny_text_models(root: Path) -> dict[str, Path]:
+    """Tiny random Llamas that come with a tokenizer (the in-process byte-level BPE of
+    ``tests/test_grammar_helpers.py``, 265 tokens, EOS 0), saved under ``root``: ``"target"`` and
+    ``"draft"`` (same vocabulary, another seed), and ``"draft-other-vocab"`` (vocabulary 128)."""
+    from tests.test_grammar_helpers import tiny_byte_level_tokenizer
+
+    tok = tiny_byte_level_tokenizer()
+    dirs = {}
+    for name, vocab, seed in (("target", len(tok), 0), ("draft", len(tok), 1), ("draft-other-vocab", 128, 2)):
+        d = root / name
+        model = make_tiny_hf_model("llama", 4, 2, False, vocab_size=vocab, seed=seed)
+        model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id  # not a byte
+        model.save_pretrained(d, safe_serialization=True)
+        tok.save_pretrained(d)
+        dirs[name] = d
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """:func:`save_tiny_text_models`, once per session: string prompts, stop strings and grammars without
+    the real model."""
+    return save_tiny_text_models(tmp_path_factory.mktemp("tiny_text_models"))

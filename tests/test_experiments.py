@@ -31,6 +31,7 @@ from experiments.config import (
     NoDrafterConfig,
     NoGrammarConfig,
     NoLoggerConfig,
+    QuantizedSelfDrafterConfig,
     RegexGrammarConfig,
     SamplingConfig,
     SyntheticDatasetConfig,
@@ -81,7 +82,7 @@ def test_every_group_has_its_options():
         "qwen2.5-coder-1.5b-instruct",
         "smollm2-135m-instruct",
     ]
-    assert OPTIONS["drafter"] == ["draft_model", "eagle", "medusa", "ngram", "none"]
+    assert OPTIONS["drafter"] == ["draft_model", "eagle", "medusa", "ngram", "none", "quantized_self"]
     assert OPTIONS["dataset"] == ["builtin", "humaneval", "jsonl", "synthetic"]
     assert OPTIONS["sampling"] == ["greedy", "random"]
     options = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ALL_GROUPS}
@@ -121,6 +122,7 @@ EXPECTED_TYPES = {
         "draft_model": DraftModelDrafterConfig,
         "medusa": MedusaDrafterConfig,
         "eagle": EagleDrafterConfig,
+        "quantized_self": QuantizedSelfDrafterConfig,
     },
     "dataset": {
         "builtin": BuiltinDatasetConfig,
@@ -221,6 +223,20 @@ def test_engine_and_grammar_options(hydra_conf):
     assert load_cfg("model.dtype=bfloat16").engine.llm_kwargs(ModelConfig("m", Dtype.bfloat16))["dtype"] == (
         "bfloat16"
     )
+    cfg = load_cfg(
+        "engine.quantization=int4", "engine.quantization_group_size=32", "engine.kv_cache_dtype=int8"
+    )
+    kwargs = cfg.engine.llm_kwargs(cfg.model)
+    assert (
+        kwargs["quantization"] == {"method": "int4", "group_size": 32} and kwargs["kv_cache_dtype"] == "int8"
+    )
+    assert load_cfg().engine.llm_kwargs(cfg.model)["quantization"] is None
+    cfg = load_cfg("drafter=quantized_self", "drafter.zero_point=true", "drafter.group_size=32")
+    assert cfg.drafter.speculative_config() == {
+        "method": "quantized_self",
+        "quantization": {"method": "int4", "group_size": 32, "zero_point": True},
+        "num_speculative_tokens": 4,
+    }
     cfg = load_cfg("grammar=choice", "grammar.choice=[yes,no]")
     assert sampling_params_kwargs(cfg.sampling, cfg.grammar)["choice"] == ["yes", "no"]
     cfg = load_cfg("grammar=json_schema")

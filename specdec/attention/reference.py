@@ -4,6 +4,11 @@ This is the CPU path and the ground truth that the Triton kernels are tested aga
 short query (decode, draft verification: ``query_len <= BATCHED_QUERY_MAX``) are padded into one batched
 SDPA call; prefill chunks run one SDPA call each, without padding waste. Index tensors and masks depend
 only on the batch, so they are built once per forward and reused by every layer.
+
+An int8 KV cache (``kv_cache_dtype="int8"``, layout in :mod:`specdec.quantization.kv_cache`) is
+quantized on write at the slot mapping and dequantized on read. Every query then reads its keys and
+values back from the cache, its own chunk's included, so the result does not depend on how a prompt was
+split into chunks (with a cache in the model dtype the fresh K/V of a first chunk equal the cached ones).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention.base import AttentionMetadata
+from specdec.quantization.kv_cache import dequantize_kv, is_int8_cache, quantize_kv
 
 #: Requests with at most this many new tokens share one padded, batched SDPA call.
 BATCHED_QUERY_MAX = 32
@@ -27,15 +33,23 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]``; -1 is skipped."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    """Store ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]``; -1 is skipped.
+    An int8 cache stores them quantized (codes and scale per token and head)."""
+    num_kv_heads = key.shape[1]
+    flat_k = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])
+    flat_v = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    if is_int8_cache(k_cache):
+        key, value = quantize_kv(key), quantize_kv(value)
     flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+
+
+def _read(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows ``[..., head_dim]`` in ``dtype`` (dequantized from an int8 cache)."""
+    return dequantize_kv(cached, dtype) if is_int8_cache(cached) else cached.to(dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -81,7 +95,10 @@ class _Plan:
     batched: _Batched | None
 
 
-def _plan(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+def _plan(
+    metadata: AttentionMetadata, block_size: int, device: torch.device, from_cache: bool = False
+) -> _Plan:
+    """``from_cache``: prefill chunks read their own K/V back from the cache too (an int8 cache)."""
     masks = metadata.new_token_masks
     prefills: list[_Prefill] = []
     short: list[tuple[int, int, int, int]] = []  # (b, start, q_len, seq_len)
@@ -93,7 +110,7 @@ def _plan(metadata: AttentionMetadata, block_size: int, device: torch.device) ->
         else:
             context_len = seq_len - q_len
             blocks = None
-            if context_len > 0:
+            if context_len > 0 or from_cache:
                 blocks = metadata.block_table[b, : -(-seq_len // block_size)]
             mask = None
             if context_len > 0 or custom is not None:
@@ -139,7 +156,9 @@ class ReferenceAttention:
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
         plan = metadata.backend_cache.get("reference")
         if plan is None:
-            plan = metadata.backend_cache["reference"] = _plan(metadata, k_cache.shape[1], query.device)
+            plan = metadata.backend_cache["reference"] = _plan(
+                metadata, k_cache.shape[1], query.device, from_cache=is_int8_cache(k_cache)
+            )
         out = torch.empty_like(query)
         gqa = query.shape[1] != key.shape[1]
         for p in plan.prefills:
@@ -148,8 +167,8 @@ class ReferenceAttention:
             if p.blocks is None:
                 k, v = key[rows], value[rows]
             else:
-                k = k_cache[p.blocks].flatten(0, 1)[: p.seq_len]
-                v = v_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+                k = _read(k_cache[p.blocks].flatten(0, 1)[: p.seq_len], q.dtype)
+                v = _read(v_cache[p.blocks].flatten(0, 1)[: p.seq_len], q.dtype)
             k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
             if p.mask is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -159,9 +178,9 @@ class ReferenceAttention:
         bt = plan.batched
         if bt is not None and bt.mask is None:
             # One request decoding one token: no mask and no padding, so SDPA's fused kernel applies.
-            k = k_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq].transpose(0, 1).unsqueeze(0)
-            v = v_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq].transpose(0, 1).unsqueeze(0)
             q = query[bt.rows].transpose(0, 1).unsqueeze(0)  # [1, H, 1, D]
+            k = _read(k_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq], q.dtype).transpose(0, 1).unsqueeze(0)
+            v = _read(v_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq], q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=gqa)
             out[bt.rows] = o[0].transpose(0, 1)
         elif bt is not None:
@@ -182,8 +201,8 @@ class ReferenceAttention:
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
         # [m, KVH, L, D], made contiguous: strided operands slowed the matmuls by 2-3x here.
-        k = k_cache[bt.blocks].flatten(1, 2)[:, : bt.max_seq].transpose(1, 2).contiguous()
-        v = v_cache[bt.blocks].flatten(1, 2)[:, : bt.max_seq].transpose(1, 2).contiguous()
+        k = _read(k_cache[bt.blocks].flatten(1, 2)[:, : bt.max_seq], query.dtype).transpose(1, 2).contiguous()
+        v = _read(v_cache[bt.blocks].flatten(1, 2)[:, : bt.max_seq], query.dtype).transpose(1, 2).contiguous()
         q = query.new_zeros(m, bt.max_q, num_heads, head_dim)
         q[bt.req_of_row, bt.pos_in_req] = query[bt.rows]
         # [m, H, max_q, D] -> [m, KVH, G * max_q, D]: query head h reads KV head h // G.

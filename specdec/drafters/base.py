@@ -18,8 +18,8 @@ class DraftInput:
         request: the request; ``request.token_ids`` are its committed tokens.
         num_new_tokens: committed tokens the target computes this step, from
             ``request.num_computed_tokens`` (a drafter with its own KV catches up on these).
-        max_drafts: most drafts on one path: a chain's length, a tree's depth (0: the request is
-            prefilling, propose nothing).
+        max_drafts: most drafts on one path: a chain's length, a tree's depth (0: propose nothing,
+            e.g. a prefill chunk that is not the prompt's last; the last chunk may carry drafts).
         max_tree_nodes: most nodes of a token tree (the KV slots reserved for drafts); chain drafters
             ignore it.
     """

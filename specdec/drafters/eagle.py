@@ -148,7 +148,7 @@ class EagleDrafter:
 
     # ------------------------------------------------------------------ head
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.lm_head(hidden.to(self.target.lm_head.weight.dtype)).float()
+        return self.target.lm_head(hidden.to(self.target.dtype)).float()
 
     def _run(self, segments: list[Segment], features: torch.Tensor) -> torch.Tensor:
         """Head forward over paged segments whose ``token_ids`` are the ``x_{t+1}``; returns the predicted

@@ -70,7 +70,7 @@ class MedusaDrafter:
         features = torch.stack([batch[i].request.drafter_state for i in drafting])  # [B, H]
         depth = min(self.config.num_speculative_tokens, max(batch[i].max_drafts for i in drafting))
         hidden = self.heads(features.to(next(self.heads.parameters()).dtype))[:, :depth]  # [B, depth, H]
-        logits = self.target.lm_head(hidden.to(self.target.lm_head.weight.dtype))  # [B, depth, V]
+        logits = self.target.lm_head(hidden.to(self.target.dtype))  # [B, depth, V]
         if self.tree is None:
             tokens = logits.argmax(dim=-1).tolist()
             for row, i in enumerate(drafting):

@@ -108,6 +108,11 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (the embedding table's), whatever form the linear layers take."""
+        return self.embed_tokens.weight.dtype
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, head_dim]`` for ``positions`` ``[T]``, as transformers computes them."""
         return rope_cos_sin(positions, self.inv_freq, self.cfg.rope_attention_scaling, dtype)

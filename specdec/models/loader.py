@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from specdec.errors import CorruptModelError
 from specdec.models.config import ModelArchConfig
 from specdec.models.decoder import DecoderLM
+from specdec.quantization.apply import quantize_model
+from specdec.quantization.config import QuantizationConfig
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -51,14 +53,30 @@ def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> DecoderLM:
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    quantization: QuantizationConfig | None = None,
+) -> DecoderLM:
     """Build our decoder for ``model_dir`` and load its weights.
+
+    Args:
+        model_dir: an HF-format directory.
+        dtype: the model's dtype (weights, activations).
+        device: where it runs.
+        quantization: weight-only quantization of the linear layers (None: none); the scales are computed
+            from the float32 checkpoint weights, before the cast to ``dtype``
+            (see :func:`specdec.quantization.apply.quantize_model`).
 
     Raises:
         CorruptModelError: missing, unexpected or misshapen tensors, or unreadable files.
         UnknownModelError: unsupported architecture.
+        ConfigError: the quantization does not fit the architecture (checked before reading weights).
     """
     cfg = ModelArchConfig.from_pretrained(model_dir)
+    if quantization is not None:
+        quantization.check_model(cfg)
     state = read_state_dict(model_dir)
     with torch.device("meta"):
         model = DecoderLM(cfg)
@@ -70,6 +88,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32)
+    if quantization is not None:
+        quantize_model(model, quantization, dtype=dtype, device=device)
     return model.to(device=device, dtype=dtype).eval()
 
 
