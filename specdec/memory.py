@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 
 from specdec.config import resolve_dtype
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, SpecdecError
 from specdec.models.config import ModelArchConfig
 from specdec.quantization.config import QuantizationConfig
 from specdec.quantization.kv_cache import check_kv_cache_dtype, kv_bytes_per_token
@@ -317,13 +318,16 @@ def main(argv: list[str] | None = None) -> MemoryEstimate:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     quantization = None
-    if args.quantization != "none":
-        quantization = QuantizationConfig(
-            args.quantization, args.group_size, lm_head=not args.dense_lm_head, zero_point=args.zero_point
-        )
-    elif args.group_size is not None or args.zero_point or args.dense_lm_head:
-        parser.error("--group-size, --zero-point and --dense-lm-head need --quantization")
+    for flag, gib in (("--memory-gib", args.memory_gib), ("--kv-memory-gib", args.kv_memory_gib)):
+        if gib is not None and not (math.isfinite(gib) and gib >= 0):
+            parser.error(f"{flag} must be a finite number of GiB >= 0, got {gib}")
     try:
+        if args.quantization != "none":
+            quantization = QuantizationConfig(
+                args.quantization, args.group_size, lm_head=not args.dense_lm_head, zero_point=args.zero_point
+            )
+        elif args.group_size is not None or args.zero_point or args.dense_lm_head:
+            parser.error("--group-size, --zero-point and --dense-lm-head need --quantization")
         est = estimate(
             args.model,
             args.context,
@@ -336,8 +340,8 @@ def main(argv: list[str] | None = None) -> MemoryEstimate:
             kv_cache_memory_bytes=None if args.kv_memory_gib is None else int(args.kv_memory_gib * GIB),
             bandwidth_bytes_per_s=None if args.bandwidth_gbs is None else args.bandwidth_gbs * 1e9,
         )
-    except ConfigError as e:
-        parser.error(str(e))
+    except SpecdecError as e:  # a bad value, an unknown model, a model that cannot be fetched
+        parser.error(f"{type(e).__name__}: {e}")
     print(json.dumps(asdict(est), indent=2) if args.json else est.summary())
     return est
 

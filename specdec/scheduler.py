@@ -5,7 +5,9 @@ scheduler, i.e. their arrival, or for a constrained request the moment its gramm
 
 1. Running requests, oldest first, each get the tokens they still need (one decode token, or the rest of
    a prompt as a chunk) while the step's token budget lasts; a request whose tokens reach the end of its
-   committed sequence also gets slots for its drafts when speculating.
+   committed sequence also gets slots for its drafts when speculating, always as many as the request
+   alone allows (see :meth:`Scheduler._plan`): a request whose drafts do not fit what is left of the
+   budget waits for the next step rather than verifying fewer.
 2. When the KV pool cannot hold a running request's new tokens, the *newest* running request is
    preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
    later (its prompt and the tokens it already generated become one prefill). The oldest request is
@@ -110,26 +112,37 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _num_draft_slots(
-        self, req: Request, num_computed: int, num_new_tokens: int, budget: int
-    ) -> tuple[int, int]:
-        """``(slots, depth)`` a request may verify when its ``num_new_tokens`` after its first
-        ``num_computed`` (KV already cached: computed, or prefix-cache hits) reach the end of its
-        committed tokens (a decode step, or the last chunk of a prefill or of a recompute after
-        preemption): the drafter's slots (k, or a tree's size) limited by the token budget left after the
-        new tokens, and the depth k limited by ``max_tokens`` and ``max_model_len`` (a step emits at most
-        depth + 1 tokens). Unless the budget cuts them, the drafts a request verifies depend on the
-        request alone, so a preempted request drafts after its recompute exactly as it would have."""
-        if not self.num_speculative_tokens or num_computed + num_new_tokens != req.num_tokens:
-            return 0, 0
-        left = budget - num_new_tokens
+    def _plan(self, req: Request, num_computed: int, budget: int) -> tuple[int, int, int] | None:
+        """``(num_new_tokens, draft_slots, draft_depth)`` for a request whose first ``num_computed``
+        tokens are in the cache (computed, or prefix-cache hits), within ``budget`` tokens; None when it
+        must sit this step out.
+
+        A step whose new tokens reach the end of the committed sequence (a decode step, or the last
+        chunk of a prefill or of a recompute after preemption) also verifies drafts. Their number depends
+        on the request alone: the drafter's slots (k, or a tree's size) and depth k, limited by
+        ``max_tokens``, ``max_model_len`` and the step budget ``max_num_batched_tokens`` (a
+        configuration, not what other requests use). When the budget left this step cannot hold them,
+        the drafts are not cut: a last prefill chunk is shortened by one token (the rest comes next
+        step, with its drafts) and a decode step waits for the next step. So the drafts a request
+        verifies, and the random numbers a seeded request draws, do not depend on the other requests,
+        on aborts or on preemption. The oldest request always has the whole budget, so it always runs.
+        """
+        todo = req.num_tokens - num_computed
+        n = min(todo, budget)
+        if not self.num_speculative_tokens or n != todo:
+            return n, 0, 0
         remaining = req.sampling_params.max_tokens - req.num_output_tokens
         room = self.max_model_len - req.num_tokens
-        depth = max(0, min(self.num_speculative_tokens, left, remaining - 1, room - 1))
+        step_cap = self.config.max_num_batched_tokens - 1
+        depth = max(0, min(self.num_speculative_tokens, remaining - 1, room - 1, step_cap))
         if depth == 0:
-            return 0, 0
-        slots = max(0, min(self.num_draft_slots, left))
-        return slots, min(depth, slots)
+            return n, 0, 0
+        slots = min(self.num_draft_slots, step_cap)
+        if n + slots <= budget:
+            return n, slots, min(depth, slots)
+        if n > 1:
+            return n - 1, 0, 0
+        return None
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -147,8 +160,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            k, depth = self._num_draft_slots(req, req.num_computed_tokens, n, budget)
+            plan = self._plan(req, req.num_computed_tokens, budget)
+            if plan is None:  # a decode step whose drafts do not fit what is left: next step
+                i += 1
+                continue
+            n, k, depth = plan
             while not self.kv.allocate_slots(req, n + k):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -167,8 +183,10 @@ class Scheduler:
                 req = self.waiting[0]
                 hits = self.kv.get_computed_blocks(req)
                 num_hit_tokens = len(hits) * self.kv.block_size
-                n = min(req.num_tokens - num_hit_tokens, budget)
-                k, depth = self._num_draft_slots(req, num_hit_tokens, n, budget)
+                plan = self._plan(req, num_hit_tokens, budget)
+                if plan is None:
+                    break
+                n, k, depth = plan
                 if not self.kv.allocate_slots(req, n, k, new_computed_blocks=hits):
                     break
                 self.waiting.popleft()

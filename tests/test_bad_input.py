@@ -594,7 +594,9 @@ def test_draft_head_names_with_path_separators(model_dir, tmp_path, monkeypatch,
         LLM(model_dir, skip_tokenizer_init=True, speculative_config={"method": "eagle", "model": name})
 
 
-@pytest.mark.parametrize("damage", ["header-garbage", "header-length", "data-short", "config-json"])
+@pytest.mark.parametrize(
+    "damage", ["header-garbage", "header-length", "data-short", "data-overwritten", "config-json"]
+)
 def test_corrupted_model_files_are_detected_before_use(model_dir, tmp_path, damage):
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
@@ -606,14 +608,15 @@ def test_corrupted_model_files_are_detected_before_use(model_dir, tmp_path, dama
         data[0:8] = (len(data) * 2).to_bytes(8, "little")  # the header claims more bytes than the file
     elif damage == "data-short":
         data = data[: len(data) - 64]
+    elif damage == "data-overwritten":
+        data[-1000:] = b"\xff" * 1000  # same length, valid header: the values decode to NaN
     else:
         (copy / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
     weights.write_bytes(bytes(data))
-    match = (
-        r"cannot read config\.json"
-        if damage == "config-json"
-        else r"cannot read weights .*truncated or corrupt"
-    )
+    match = {
+        "config-json": r"cannot read config\.json",
+        "data-overwritten": r"holds NaN or infinite values \(file corrupted\?\)",
+    }.get(damage, r"cannot read weights .*truncated or corrupt")
     with pytest.raises(CorruptModelError, match=match):
         LLM(copy, skip_tokenizer_init=True)
 

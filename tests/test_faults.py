@@ -516,3 +516,49 @@ def test_beam_search_interrupted_at_any_forward_frees_everything(tiny_model_dirs
     ]
     assert got_gen == want_gen
     assert_all_free(llm.engine)
+
+
+# ------------------------------------------------------------------- batch independence of drafts
+def _alone_and_together(dirs, spec: str, budget: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Each of the four requests alone, then all four together, with a step budget of ``budget`` tokens."""
+    alone = {}
+    for i in range(4):
+        (out,) = make_llm(dirs, spec, num_kv_blocks=64, max_num_batched_tokens=budget).generate(
+            {"prompt_token_ids": PROMPTS[i]}, PARAMS[i]
+        )
+        alone[i] = out.outputs[0].token_ids
+    together = make_llm(dirs, spec, num_kv_blocks=64, max_num_batched_tokens=budget).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], PARAMS
+    )
+    return alone, {i: o.outputs[0].token_ids for i, o in enumerate(together)}
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft_model"])
+def test_seeded_outputs_do_not_depend_on_the_other_requests_under_a_tight_budget(tiny_text_model_dirs, spec):
+    """With a budget of 8 tokens per step, four speculating requests (k = 3) cannot all verify their drafts
+    in one step. A request whose drafts do not fit waits a step instead of verifying fewer, so every
+    output, the seeded ones included, equals its output alone (and aborting one request cannot change
+    another's, the case a break test found)."""
+    alone, together = _alone_and_together(tiny_text_model_dirs, spec, budget=8)
+    assert together == alone
+
+
+def test_negative_control_cutting_drafts_to_the_budget_changes_seeded_outputs(tiny_text_model_dirs, monkeypatch):
+    """The old rule (drafts cut to what is left of the budget) makes a seeded request's random draws depend
+    on the requests scheduled before it: some seeded output changes, no greedy one does."""
+    from specdec.scheduler import Scheduler
+
+    new_rule = Scheduler._plan
+
+    def cut_to_budget(self, req, num_computed, budget):
+        plan = new_rule(self, req, num_computed, self.config.max_num_batched_tokens)
+        if plan is None:
+            return None
+        n, slots, depth = plan
+        slots = max(0, min(slots, budget - n))
+        return min(n, budget), slots, min(depth, slots)
+
+    monkeypatch.setattr(Scheduler, "_plan", cut_to_budget)
+    alone, together = _alone_and_together(tiny_text_model_dirs, "ngram", budget=8)
+    differ = {i for i in alone if alone[i] != together[i]}
+    assert differ and all(PARAMS[i].seed is not None for i in differ), differ

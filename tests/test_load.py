@@ -353,14 +353,15 @@ def test_negative_control_seeded_outputs_need_drafts_after_a_recompute(tiny_text
     jobs = make_workload()[:100]
     ample = make_llm(tiny_text_model_dirs, "ngram", AMPLE_BLOCKS)
     want = run(ample, jobs, over_time=False)
-    new_rule = Scheduler._num_draft_slots
+    new_rule = Scheduler._plan
 
-    def old_rule(self, req, num_computed, num_new_tokens, budget):
-        if req.num_tokens - num_computed != 1:
-            return 0, 0
-        return new_rule(self, req, num_computed, num_new_tokens, budget)
+    def old_rule(self, req, num_computed, budget):
+        plan = new_rule(self, req, num_computed, budget)
+        if plan is None or req.num_tokens - num_computed == 1:
+            return plan
+        return plan[0], 0, 0
 
-    monkeypatch.setattr(Scheduler, "_num_draft_slots", old_rule)
+    monkeypatch.setattr(Scheduler, "_plan", old_rule)
     loaded = make_llm(tiny_text_model_dirs, "ngram", LOADED_BLOCKS, ample.engine.grammar_backend)
     got = run(loaded, jobs, over_time=True, seed=1)
     assert got.preemptions > 0

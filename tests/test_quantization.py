@@ -402,6 +402,8 @@ def test_int8_kv_generation_is_independent_of_chunking_and_prefix_caching(tiny_d
         {"method": "int8", "group_size": 64},
         {"method": "int4", "group_size": 48},
         {"method": "int4", "group_size": True},
+        {"method": "int4", "group_size": 32.0},  # a float equal to a valid size (found by a break test)
+        {"method": None},
         {"method": "int4", "kernel": "fast"},
         {"method": "int4", "lm_head": "yes"},
         {"method": "int8", "zero_point": True},
@@ -413,6 +415,10 @@ def test_int8_kv_generation_is_independent_of_chunking_and_prefix_caching(tiny_d
 def test_bad_quantization_configs_are_rejected(value):
     with pytest.raises(ConfigError):
         QuantizationConfig.from_any(value)
+
+
+def test_none_means_no_quantization():
+    assert QuantizationConfig.from_any(None) is None and QuantizationConfig.from_any("none") is None
 
 
 def test_group_size_must_divide_the_model_before_loading(tiny_dir, monkeypatch):

@@ -70,7 +70,8 @@ def load_model(
             (see :func:`specdec.quantization.apply.quantize_model`).
 
     Raises:
-        CorruptModelError: missing, unexpected or misshapen tensors, or unreadable files.
+        CorruptModelError: missing, unexpected or misshapen tensors, NaN or infinite weights, or
+            unreadable files.
         UnknownModelError: unsupported architecture.
         ConfigError: the quantization does not fit the architecture (checked before reading weights).
     """
@@ -78,6 +79,11 @@ def load_model(
     if quantization is not None:
         quantization.check_model(cfg)
     state = read_state_dict(model_dir)
+    for name, tensor in state.items():  # corrupted values (bytes overwritten) most often decode to NaN/inf
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CorruptModelError(
+                f"{model_dir}: weight {name!r} holds NaN or infinite values (file corrupted?)"
+            )
     with torch.device("meta"):
         model = DecoderLM(cfg)
     ours = _to_our_names(state, cfg, str(model_dir))

@@ -47,13 +47,13 @@ class QuantizationConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SCHEMES:
-            raise ConfigError(f"quantization must be one of {list(SCHEMES)} or None, got {self.method!r}")
+            raise ConfigError(f"quantization method must be one of {list(SCHEMES)}, got {self.method!r}")
         if self.method == "int8" and self.group_size is not None:
             raise ConfigError(
                 "int8 quantization has one scale per output channel; group_size applies to int4 only"
             )
         gs = self.group_size
-        if gs is not None and (isinstance(gs, bool) or gs not in GROUP_SIZES):
+        if gs is not None and (isinstance(gs, bool) or not isinstance(gs, int) or gs not in GROUP_SIZES):
             raise ConfigError(f"quantization group_size must be one of {GROUP_SIZES}, got {gs!r}")
         if not isinstance(self.lm_head, bool):
             raise ConfigError(f"quantization lm_head must be a bool, got {self.lm_head!r}")
@@ -94,7 +94,8 @@ class QuantizationConfig:
 
     @classmethod
     def from_any(cls, value: Any) -> QuantizationConfig | None:
-        """Accept None, a method name (``"int8"``, ``"int4"``), a dict of the fields, or a config.
+        """Accept None (or ``"none"``), a method name (``"int8"``, ``"int4"``), a dict of the fields, or a
+        config.
 
         Raises:
             ConfigError: another type, unknown keys or invalid values.
@@ -102,7 +103,7 @@ class QuantizationConfig:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
-            return cls(value)
+            return None if value == "none" else cls(value)
         if isinstance(value, dict):
             unknown = set(value) - set(cls.__dataclass_fields__)
             if unknown:
