@@ -543,7 +543,9 @@ def test_seeded_outputs_do_not_depend_on_the_other_requests_under_a_tight_budget
     assert together == alone
 
 
-def test_negative_control_cutting_drafts_to_the_budget_changes_seeded_outputs(tiny_text_model_dirs, monkeypatch):
+def test_negative_control_cutting_drafts_to_the_budget_changes_seeded_outputs(
+    tiny_text_model_dirs, monkeypatch
+):
     """The old rule (drafts cut to what is left of the budget) makes a seeded request's random draws depend
     on the requests scheduled before it: some seeded output changes, no greedy one does."""
     from specdec.scheduler import Scheduler
