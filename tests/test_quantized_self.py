@@ -134,7 +134,7 @@ def test_quantized_self_config_errors(tiny_target):
         SpeculativeConfig(method="quantized_self", quantization="int4", model="x")
     with pytest.raises(ConfigError, match="applies to method 'quantized_self' only"):
         SpeculativeConfig(method="ngram", quantization="int4")
-    with pytest.raises(ConfigError, match="quantization must be one of"):
+    with pytest.raises(ConfigError, match="quantization method must be one of"):
         SpeculativeConfig(method="quantized_self", quantization="int3")
     with pytest.raises(ConfigError, match="group sizes that fit"):  # group 64 does not divide 96
         LLM(
