@@ -34,6 +34,7 @@ from specdec.errors import ConfigError, InvalidRequestError, KVCacheExhaustedErr
 from specdec.kv_cache.manager import KVCacheManager, cdiv
 from specdec.metrics import SpecStats
 from specdec.model_runner import ModelRunner
+from specdec.models.config import ModelArchConfig
 from specdec.models.decoder import DecoderLM
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import PackedLinear, pack_linears
@@ -65,23 +66,16 @@ def logits_rows(scheduled: list[ScheduledRequest]) -> dict[str, range]:
     return rows
 
 
-def _check_draft_vocabulary(
-    model_dir: str | Path, model: DecoderLM | None, draft_model_dir: str | Path
-) -> None:
-    """Compare the vocabulary sizes in the configs of target and draft, before loading either.
+def _check_draft_vocabulary(target: ModelArchConfig, draft_model_dir: str | Path) -> None:
+    """Compare the vocabulary sizes in the configs of target and draft, before loading the draft.
 
     Raises:
         InvalidRequestError: they differ.
     """
-    from specdec.models.config import ModelArchConfig
-
-    target = (
-        model.cfg.vocab_size if model is not None else ModelArchConfig.from_pretrained(model_dir).vocab_size
-    )
     draft = ModelArchConfig.from_pretrained(draft_model_dir).vocab_size
-    if draft != target:
+    if draft != target.vocab_size:
         raise InvalidRequestError(
-            f"the draft model's vocabulary ({draft} tokens) differs from the target's ({target}); "
+            f"the draft model's vocabulary ({draft} tokens) differs from the target's ({target.vocab_size}); "
             "draft and target must share a tokenizer"
         )
 
@@ -159,14 +153,14 @@ class LLMEngine:
         draft_model_dir: str | Path | None = None,
         quantization: QuantizationConfig | None = None,
     ) -> None:
+        # Checks that need only the configs run before any weights load.
+        target_arch = model.cfg if model is not None else ModelArchConfig.from_pretrained(model_dir)
         if speculative_config is not None and speculative_config.method == "draft_model":
             assert draft_model_dir is not None
-            _check_draft_vocabulary(model_dir, model, draft_model_dir)
+            _check_draft_vocabulary(target_arch, draft_model_dir)
         self_quantization = speculative_config.quantization_config() if speculative_config else None
-        if self_quantization is not None:  # the self-drafter's group size must fit, checked before loading
-            from specdec.models.config import ModelArchConfig
-
-            self_quantization.check_model(model.cfg if model else ModelArchConfig.from_pretrained(model_dir))
+        if self_quantization is not None:  # the self-drafter's group size must fit the target
+            self_quantization.check_model(target_arch)
         self.model = (
             model
             if model is not None
@@ -183,11 +177,6 @@ class LLMEngine:
             assert draft_model_dir is not None
             draft_dtype = resolve_dtype(speculative_config.draft_dtype or dtype)
             draft_model = load_model(draft_model_dir, dtype=draft_dtype, device=device)
-            if draft_model.cfg.vocab_size != cfg.vocab_size:
-                raise InvalidRequestError(
-                    f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) differs from the "
-                    f"target's ({cfg.vocab_size}); draft and target must share a tokenizer"
-                )
         heads = None
         if speculative_config is not None and speculative_config.method in ("medusa", "eagle"):
             if draft_model_dir is None:
