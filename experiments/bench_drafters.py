@@ -13,6 +13,10 @@ target forward), acceptance per position (the fraction of draft steps whose draf
 accepted), and, with ``--prompts specbench``, τ per Spec-Bench category. Every speculative method's
 output is checked against plain greedy decoding (exactness; a mismatch is reported, not hidden).
 
+Generation stops at the target's EOS (or ``--max-tokens``), as in Spec-Bench and the EAGLE papers:
+past EOS a model writes text no drafter was trained on, so ``--ignore-eos`` (every request makes
+``--max-tokens`` tokens, for equal work per method) lowers the τ of the learned drafters.
+
     python -m experiments.bench_drafters --prompts heldout --limit 24 --max-tokens 96
     python -m experiments.bench_drafters --prompts specbench --per-category 3 --max-tokens 96
 """
@@ -56,7 +60,9 @@ def load_prompts(kind: str, limit: int, per_category: int, path: str) -> list[An
     return [p for cat in sorted(by_cat) for p in by_cat[cat]]
 
 
-def _hf_plain(model_dir: Path, ids: list[list[int]], max_tokens: int, dtype: torch.dtype) -> dict[str, Any]:
+def _hf_plain(
+    model_dir: Path, ids: list[list[int]], max_tokens: int, dtype: torch.dtype, ignore_eos: bool
+) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from experiments.bench import ForwardCounter, hf_generate
@@ -66,7 +72,7 @@ def _hf_plain(model_dir: Path, ids: list[list[int]], max_tokens: int, dtype: tor
     hf_generate(model, ids[0], 4, counter, ignore_eos=True)  # warm-up
     tokens, seconds = 0, 0.0
     for p in ids:
-        out, dt, _ = hf_generate(model, p, max_tokens, counter, ignore_eos=True)
+        out, dt, _ = hf_generate(model, p, max_tokens, counter, ignore_eos=ignore_eos)
         tokens += len(out)
         seconds += dt
     del model
@@ -80,12 +86,13 @@ def run_method(
     cats: list[str],
     max_tokens: int,
     dtype: str,
+    ignore_eos: bool = False,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     from sampling.params import SamplingParams
     from specdec import LLM
 
     llm = LLM(model, dtype=dtype, speculative_config=spec)
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     llm.generate([{"prompt_token_ids": ids[0]}], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     llm.engine.reset_spec_stats()
     outs: list[list[int]] = []
@@ -124,6 +131,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--per-category", type=int, default=3, help="Spec-Bench prompts per category")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--ignore-eos", action="store_true", help="generate --max-tokens tokens per prompt, past EOS"
+    )
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--out", default=None, help="JSON output path")
     ap.add_argument("--plot", default=None, help="PNG of acceptance per position (and τ per category)")
@@ -138,13 +148,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cats = [p.category for p in prompts]
     result: dict[str, Any] = {"model": args.model, "prompts": args.prompts, "num_prompts": len(ids)}
     result["max_tokens"] = args.max_tokens
+    result["ignore_eos"] = args.ignore_eos
     result["transformers_plain"] = _hf_plain(
-        resolve_model(args.model), ids, args.max_tokens, getattr(torch, args.dtype)
+        resolve_model(args.model), ids, args.max_tokens, getattr(torch, args.dtype), args.ignore_eos
     )
     rows: dict[str, Any] = {}
     base_outs: list[list[int]] | None = None
     for name in args.methods.split(","):
-        row, outs = run_method(args.model, METHODS[name], ids, cats, args.max_tokens, args.dtype)
+        row, outs = run_method(
+            args.model, METHODS[name], ids, cats, args.max_tokens, args.dtype, args.ignore_eos
+        )
         if name == "plain":
             base_outs = outs
         elif base_outs is not None:

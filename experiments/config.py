@@ -611,6 +611,8 @@ class TrainDataConfig:
         temperature: 0 is greedy; above 0 samples ``n`` responses per prompt.
         n: responses per prompt (1 when greedy).
         seed: sampling seed (prompt i uses ``seed + i``).
+        include_greedy: with ``temperature`` > 0, train on the greedy responses too (the greedy data
+            followed by the sampled; each part cached on its own).
         max_num_seqs: requests the engine runs at once while generating.
         max_num_batched_tokens: token budget of one engine forward while generating.
         feature_batch_tokens: tokens of one target forward when the features are computed.
@@ -626,6 +628,7 @@ class TrainDataConfig:
     temperature: float = 0.0
     n: int = 1
     seed: int = 0
+    include_greedy: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     feature_batch_tokens: int = 4096
@@ -654,6 +657,8 @@ class TrainOptions:
             the final one covers the whole held-out split.
         log_every: log the training loss every this many steps.
         seed: initialisation and data order.
+        init_from: start from these heads (a built-in name or a directory, same method and target)
+            instead of a fresh initialisation; their provenance goes into the new heads' record.
         torch_threads: ``torch.set_num_threads`` for the job (None: torch's default).
         device: where everything runs.
         install: write the heads to ``specdec/heads/<target>-<method>`` (loadable by name).
@@ -679,6 +684,7 @@ class TrainOptions:
     eval_max_positions: int = 2048
     log_every: int = 10
     seed: int = 0
+    init_from: str | None = None
     torch_threads: int | None = 2
     device: str = "cpu"
     install: bool = False
@@ -1054,6 +1060,10 @@ def validate_train_config(cfg: TrainConfig) -> None:
     if data.temperature == 0 and data.n != 1:
         raise ValueError(
             f"data.n={data.n} needs sampling: greedy responses are all the same (set data.temperature)"
+        )
+    if data.include_greedy and data.temperature == 0:
+        raise ValueError(
+            "data.include_greedy=true needs data.temperature > 0 (the greedy data is the default)"
         )
     if t.time_budget_s is None and t.epochs is None:
         raise ValueError("set train.time_budget_s or train.epochs (or both)")

@@ -56,7 +56,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -399,8 +399,20 @@ def prepare_data(
     skip_tokenizer_init: bool = False,
 ) -> DistilData:
     """The distillation data of ``prompts`` (token ids ``prompt_ids``), from the cache when it holds
-    them, else generated, featurised and cached; the split is set from ``data.heldout_fraction``."""
+    them, else generated, featurised and cached; the split is set from ``data.heldout_fraction``.
+
+    With ``data.include_greedy`` (and ``data.temperature`` > 0) the data is the greedy responses (cached
+    as the greedy settings' own data, so an earlier greedy run's cache is reused) followed by the
+    sampled ones; its fingerprint is the sha256 of the two parts' fingerprints."""
     data = cfg.data
+    if data.include_greedy and data.temperature > 0:
+        greedy = replace(data, temperature=0.0, n=1, include_greedy=False)
+        sampled = replace(data, include_greedy=False)
+        parts = [
+            prepare_data(replace(cfg, data=d), prompts, prompt_ids, model_dir, skip_tokenizer_init)
+            for d in (greedy, sampled)
+        ]
+        return _concat_data(parts)
     dtype = cfg.model.dtype.value
     fingerprint = data_fingerprint(cfg.model.name, model_dir, dtype, prompt_ids, data)
     root = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
@@ -474,7 +486,7 @@ def prepare_data(
         )
     dd.meta["directory"] = str(directory)
     by_id = {p.id: h for p, h in zip(prompts, split_heldout(prompts, data.heldout_fraction))}
-    dd.heldout = [by_id[i.split("#")[0]] for i in dd.ids]
+    dd.heldout = [by_id[prompt_id_of(i)] for i in dd.ids]
     return dd
 
 
@@ -482,6 +494,40 @@ def _torch_dtype(name: str) -> torch.dtype:
     from specdec.config import resolve_dtype
 
     return resolve_dtype(name)
+
+
+def prompt_id_of(sequence_id: str) -> str:
+    """The prompt id of a sequence id (``<prompt id>[#<sample>][@<part>]``)."""
+    return sequence_id.split("@")[0].split("#")[0]
+
+
+def _concat_data(parts: Sequence[DistilData]) -> DistilData:
+    """Several data sets of the same prompts as one; a sequence id gets ``@<part>`` (so a prompt's
+    sequences stay recognisable for the split: the prompt id is the part before ``#`` and ``@``)."""
+    fingerprint = hashlib.sha256("".join(p.meta["fingerprint"] for p in parts).encode()).hexdigest()
+    metas = [{k: v for k, v in p.meta.items() if k != "directory"} for p in parts]
+    meta: dict[str, Any] = {
+        "fingerprint": fingerprint,
+        "generation": [m["generation"] for m in metas],
+        "parts": metas,
+        "num_sequences": sum(len(p) for p in parts),
+        "num_tokens": sum(p.num_tokens for p in parts),
+        "num_response_tokens": sum(p.num_response_tokens for p in parts),
+        "generation_time_s": sum(m.get("generation_time_s", 0.0) for m in metas),
+        "feature_time_s": sum(m.get("feature_time_s", 0.0) for m in metas),
+        "cached": all(m.get("cached", False) for m in metas),
+        "responses_cached": all(m.get("responses_cached", True) for m in metas),
+        "directory": [p.meta["directory"] for p in parts],
+    }
+    return DistilData(
+        [t for p in parts for t in p.tokens],
+        [s for p in parts for s in p.starts],
+        [f for p in parts for f in p.features],
+        [f"{i}@{j}" for j, p in enumerate(parts) for i in p.ids],
+        [c for p in parts for c in p.categories],
+        [h for p in parts for h in p.heldout],
+        meta,
+    )
 
 
 # ------------------------------------------------------------------------------------- frozen target
@@ -785,7 +831,9 @@ def evaluate_eagle(
     batch_tokens: int = 1024,
 ) -> dict[str, Any]:
     """Held-out losses, top-1/top-5 accuracy of the first (teacher-forced) step and top-1 of the second
-    (reading its own first prediction) against the target's tokens, on the response rows."""
+    (reading its own first prediction) on the response rows, against the target's greedy token
+    (``argmax lm_head(f_{t+1})``: the token greedy verification accepts; the sequence's own next token
+    with greedy data, not with sampled data)."""
     sums = {
         "feat": 0.0,
         "ce": 0.0,
@@ -807,7 +855,7 @@ def evaluate_eagle(
             if not bool(rows.any()):
                 continue
             logits = target.logits(pred[rows])
-            y = nxt[rows]
+            y = target.logits(wanted[rows].float()).argmax(dim=-1)
             top = logits.topk(5, dim=-1).indices
             hit = top == y[:, None]
             if step == 0:
@@ -881,6 +929,41 @@ class TrainResult:
     final_loss: float | None
 
 
+def initialise_from(module: nn.Module, init_from: str | None, target: FrozenTarget, method: str) -> None:
+    """Copy the weights of saved heads (a built-in name or a directory) into ``module`` (fine-tuning
+    instead of a fresh initialisation); nothing when ``init_from`` is None.
+
+    Raises:
+        ConfigError: unknown heads, or heads of another method.
+        CorruptModelError: unreadable heads, or heads of another shape (e.g. another number of heads).
+        InvalidRequestError: heads of a target of another hidden or vocabulary size.
+    """
+    if init_from is None:
+        return
+    from specdec.drafters.heads import load_heads
+    from specdec.errors import CorruptModelError
+
+    saved, _ = load_heads(init_from, target.arch, method, torch.float32, "cpu")
+    try:
+        module.load_state_dict(saved.state_dict())
+    except RuntimeError as e:
+        raise CorruptModelError(f"heads {init_from!r} do not fit the heads being trained: {e}") from e
+    logger.info("%s heads initialised from %s", method, init_from)
+
+
+def init_provenance(init_from: str | None) -> dict[str, Any] | None:
+    """What ``train.init_from`` heads were trained with (their command, data, steps and time, and their
+    own starting point), for the new heads' record; None without ``init_from``."""
+    if init_from is None:
+        return None
+    from specdec.drafters.heads import resolve_heads_dir
+
+    directory = resolve_heads_dir(init_from)
+    training = json.loads((directory / "config.json").read_text()).get("training") or {}
+    keys = ("command", "data_fingerprint", "num_training_tokens", "steps", "epochs", "train_time_s")
+    return {"heads": init_from, **{k: training.get(k) for k in keys}, "init_from": training.get("init_from")}
+
+
 def train_medusa(
     cfg: TrainConfig,
     target: FrozenTarget,
@@ -895,6 +978,7 @@ def train_medusa(
     tracker = tracker or NullTracker()
     torch.manual_seed(t.seed)
     heads = MedusaHeads(target.arch.hidden_size, t.medusa_num_heads).to(t.device)
+    initialise_from(heads, t.init_from, target, "medusa")
     examples = medusa_examples(train, t.medusa_num_heads)
     held = medusa_examples(heldout, t.medusa_num_heads)
     if len(examples) == 0:
@@ -959,6 +1043,7 @@ def train_eagle(
     tracker = tracker or NullTracker()
     torch.manual_seed(t.seed)
     head = EagleHead(target.arch).to(t.device).float()
+    initialise_from(head, t.init_from, target, "eagle")
     gen = torch.Generator().manual_seed(t.seed)
     noise_gen = torch.Generator().manual_seed(t.seed + 1)
     steps_per_epoch = sum(1 for _ in eagle_batches(train, t.batch_tokens))
@@ -1155,6 +1240,12 @@ def write_command_md(out_dir: Path, command: str, training: dict[str, Any]) -> N
         f"- training: {training['train_time_s']:.0f} s, {training['steps']} steps, "
         f"{training['epochs']:.2f} epochs; seeds `{json.dumps(training['seeds'])}`",
     ]
+    init = training.get("init_from")
+    if init:
+        lines.append(
+            f"- started from the heads `{init['heads']}` ({init['train_time_s']:.0f} s, {init['steps']} "
+            f"steps on data `{str(init['data_fingerprint'])[:16]}`, by `{init['command']}`)"
+        )
     if "rank_accuracy" in m:
         for k, ranks in enumerate(m["rank_accuracy"]):
             lines.append(
@@ -1311,6 +1402,7 @@ def run_training(
             heldout.num_response_tokens,
         )
         target = FrozenTarget.load(model_dir, cfg.train.device)
+        provenance = init_provenance(cfg.train.init_from)  # read before install may overwrite them
         if isinstance(cfg.drafter, MedusaDrafterConfig):
             result = train_medusa(cfg, target, train, heldout, tracker)
             num_heads, arch = cfg.train.medusa_num_heads, None
@@ -1332,14 +1424,15 @@ def run_training(
             "heldout_fraction": cfg.data.heldout_fraction,
             "seeds": seeds,
             "num_prompts": {
-                "train": len({i.split("#")[0] for i in train.ids}),
-                "heldout": len({i.split("#")[0] for i in heldout.ids}),
+                "train": len({prompt_id_of(i) for i in train.ids}),
+                "heldout": len({prompt_id_of(i) for i in heldout.ids}),
             },
             "num_training_tokens": train.num_response_tokens,
             "positions_seen": result.positions_seen,
             "steps": result.steps,
             "epochs": result.epochs,
             "train_time_s": result.train_time_s,
+            "init_from": provenance,
             "options": config_to_dict(cfg.train),
             "final_metrics": result.metrics,
             "initial_train_loss": result.initial_loss,

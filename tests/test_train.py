@@ -23,6 +23,7 @@ from experiments.datasets import CHAT_CATEGORIES, CHAT_TEMPLATES, CHAT_TOPICS, l
 from experiments.train import (
     FrozenTarget,
     evaluate_tau,
+    initialise_from,
     is_heldout,
     load_heldout_prompts,
     medusa_head_outputs,
@@ -78,6 +79,8 @@ def test_train_config_rejects_bad_values(hydra_conf):
         load_train_cfg("drafter=medusa", "train.medusa_num_heads=3")
     with pytest.raises(ValueError, match=r"drafter\.tree must be"):
         load_train_cfg("drafter=eagle", "drafter.tree=bushy")
+    with pytest.raises(ValueError, match=r"include_greedy=true needs data\.temperature > 0"):
+        load_train_cfg("data.include_greedy=true")
     with pytest.raises(ValueError, match="eagle_unroll"):
         load_train_cfg("drafter=eagle", "train.eagle_unroll=3")
 
@@ -192,7 +195,7 @@ def test_medusa_trains_saves_and_reloads(hydra_conf, tiny_target, tmp_path):
 
 def test_eagle_trains_saves_and_reloads(hydra_conf, tiny_target, tmp_path):
     from specdec.attention.dense import DenseAttention, dense_metadata
-    from specdec.drafters.heads import load_heads
+    from specdec.drafters.heads import EagleHead, load_heads
 
     cfg = tiny_cfg(
         tiny_target,
@@ -223,6 +226,52 @@ def test_eagle_trains_saves_and_reloads(hydra_conf, tiny_target, tmp_path):
     )
     with torch.no_grad():
         torch.testing.assert_close(head(*args), reference(*args), rtol=0, atol=0)
+
+    # Fine-tuning these heads on greedy + sampled responses: the greedy part comes from the cache, the
+    # sampled part doubles the sequences, and training starts where the first run ended.
+    def fine_tune(name: str, *extra: str) -> dict:
+        return run_training(
+            tiny_cfg(
+                tiny_target,
+                tmp_path,
+                "eagle",
+                "train.epochs=2",
+                "train.batch_tokens=72",
+                "train.eagle_unroll=2",
+                "data.temperature=0.8",
+                "data.include_greedy=true",
+                f"train.out_dir={tmp_path / name}",
+                *extra,
+            ),
+            None,
+            prompt_ids=tiny_prompts(),
+        )
+
+    tuned = fine_tune("tuned", f"train.init_from={out}")
+    fresh = fine_tune("fresh")  # the same run from a fresh initialisation
+    parts = tuned["data"]["parts"]
+    assert [p["generation"]["temperature"] for p in parts] == [0.0, 0.8]
+    assert parts[0]["fingerprint"] == summary["data_fingerprint"] and parts[0]["cached"]
+    assert tuned["data"]["num_sequences"] == 2 * summary["data"]["num_sequences"]
+    assert tuned["num_prompts"] == summary["num_prompts"]  # the split is the prompts', not the parts'
+    # (deterministic: same data, seeds and steps; only the starting weights differ)
+    assert tuned["initial_train_loss"] < fresh["initial_train_loss"]
+    assert tuned["final_train_loss"] < fresh["final_train_loss"]
+    started = EagleHead(target.arch)
+    initialise_from(started, str(out), target, "eagle")
+    with torch.no_grad():
+        torch.testing.assert_close(started(*args), head(*args), rtol=0, atol=0)
+    _, tuned_config = load_heads(str(tmp_path / "tuned"), target.arch, "eagle", torch.float32)
+    record = tuned_config.training["init_from"]
+    assert record["heads"] == str(out) and record["steps"] == config.training["steps"]
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="holds eagle heads, not medusa"):
+        run_training(
+            tiny_cfg(tiny_target, tmp_path, "medusa", "train.epochs=1", f"train.init_from={out}"),
+            None,
+            prompt_ids=tiny_prompts(),
+        )
 
 
 def _trained_module(summary, method: str, target: FrozenTarget) -> torch.nn.Module:
