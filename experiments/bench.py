@@ -13,6 +13,7 @@ Rows (``methods`` × ``systems``):
   max_matching_ngram_size=prompt_lookup_max)``.
 - ``draft_model``: specdec's draft-model drafter | ``generate(assistant_model=...)`` with k assistant
   tokens per step, constant schedule (transformers otherwise adapts k).
+- any other registered drafter (``medusa``, ``eagle``...): specdec only (``systems=[specdec]``).
 
 At concurrency 1 every prompt runs alone (batch 1) and is timed alone; tokens/s is generated tokens over
 the summed times. specdec also runs each method with ``concurrency`` = 4 and 16 requests submitted
@@ -43,7 +44,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from experiments.config import BenchConfig, config_to_dict, register_configs, to_bench_config
+from experiments.config import BenchConfig, bench_methods, config_to_dict, register_configs, to_bench_config
 from experiments.tables import format_cell
 from experiments.tracking import (
     NullTracker,
@@ -477,7 +478,7 @@ def run_bench(
                 r["greedy_equal"] = specdec_outputs.get(r["method"]) == reference
             else:
                 r["greedy_equal"] = hf_outputs.get(r["method"]) == reference
-        order = {"plain": 0, "ngram": 1, "draft_model": 2, "plain (static batch)": 3}
+        order = {m: i for i, m in enumerate((*bench_methods(), "plain (static batch)"))}
         rows.sort(key=lambda r: (r["concurrency"], order.get(r["method"], 9), r["system"] != "specdec"))
         _derive(rows, floor_b1)
         result: dict[str, Any] = {

@@ -6,7 +6,8 @@ Methods (greedy, SmolLM2-135M-Instruct by default, one request at a time):
   in the same process (the peer);
 - ``ngram``: prompt lookup, k = 4;
 - ``medusa`` / ``medusa-tree``: our Medusa heads, a chain of 4 / the default static tree;
-- ``eagle`` / ``eagle-tree``: our EAGLE head, a chain of 4 / EAGLE-2's dynamic tree.
+- ``eagle`` / ``eagle-tree``: our EAGLE head, a chain of 4 / EAGLE-2's dynamic tree;
+- any other registered drafter, by its name: a chain of 4 (:func:`method_spec`).
 
 Per method: tokens/s, speedup over our plain decoding and over transformers, τ (tokens emitted per
 target forward), acceptance per position (the fraction of draft steps whose draft at depth i was
@@ -41,6 +42,20 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "eagle-tree": {"method": "eagle", "num_speculative_tokens": 5, "tree": "dynamic", "tree_topk": 4},
 }
 DEFAULT_SPECBENCH = "../shared/specbench/question.jsonl"
+
+
+def method_spec(name: str) -> dict[str, Any] | None:
+    """The ``speculative_config`` of a ``--methods`` name: a row of :data:`METHODS`, else any registered
+    drafter (:func:`specdec.drafters.drafter_names`) as a chain of 4."""
+    from specdec.drafters.registry import drafter_names
+
+    if name in METHODS:
+        return METHODS[name]
+    if name in drafter_names():
+        return {"method": name, "num_speculative_tokens": 4}
+    raise SystemExit(
+        f"unknown method {name!r}; choose from {list(dict.fromkeys([*METHODS, *drafter_names()]))}"
+    )
 
 
 def load_prompts(kind: str, limit: int, per_category: int, path: str) -> list[Any]:
@@ -142,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from experiments.run import load_tokenizer, prompt_token_ids
     from specdec.zoo import resolve_model
 
+    specs = {name: method_spec(name) for name in args.methods.split(",")}  # unknown names fail first
     torch.manual_seed(0)
     prompts = load_prompts(args.prompts, args.limit, args.per_category, args.specbench_path)
     ids = prompt_token_ids(load_tokenizer(args.model), prompts)
@@ -154,10 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     rows: dict[str, Any] = {}
     base_outs: list[list[int]] | None = None
-    for name in args.methods.split(","):
-        row, outs = run_method(
-            args.model, METHODS[name], ids, cats, args.max_tokens, args.dtype, args.ignore_eos
-        )
+    for name, spec in specs.items():
+        row, outs = run_method(args.model, spec, ids, cats, args.max_tokens, args.dtype, args.ignore_eos)
         if name == "plain":
             base_outs = outs
         elif base_outs is not None:

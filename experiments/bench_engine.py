@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     llm = LLM(model_dir, dtype=args.dtype, device="cpu")
     # Bytes one batch-1 decode step reads (the calculator's count: every layer, the LM head, one row).
-    weight_bytes = step_weight_bytes(llm.engine.model.cfg, dtype)[2]
+    weight_bytes = step_weight_bytes(llm.engine.model_cfg, dtype)[2]
     bandwidth = measure_read_bandwidth()
     floor_s = weight_bytes / bandwidth
     result: dict = {

@@ -1,37 +1,36 @@
 """Typed experiment configuration: the schemas behind ``experiments/conf/``.
 
 Config groups mirror the code: ``model/`` (:class:`ModelConfig`), ``drafter/`` (none, ngram,
-draft_model: ``specdec.LLM``'s ``speculative_config``), ``sampling/`` (:class:`SamplingConfig`) and
-``grammar/`` (none, json_schema, regex, choice: fields of ``sampling.SamplingParams``), ``dataset/``
-(builtin, jsonl, humaneval, synthetic), ``engine/`` (the other arguments of ``specdec.LLM``: dtype,
-device, KV blocks, prefix caching, batch limits), ``logger/`` (none, wandb); ``experiment/`` holds named
-deltas and ``sweep/`` sweep presets (both ``# @package _global_``, checked against the primary schema).
+draft_model, quantized_self, medusa, eagle, and ``registered`` for any drafter registered with
+``specdec.drafters.register_drafter``: ``specdec.LLM``'s ``speculative_config``), ``sampling/``
+(:class:`SamplingConfig`) and ``grammar/`` (none, json_schema, regex, choice: fields of
+``sampling.SamplingParams``), ``dataset/`` (builtin, jsonl, humaneval, synthetic), ``engine/`` (the
+other arguments of ``specdec.LLM``: dtype, device, KV blocks, prefix caching, batch limits), ``logger/``
+(none, wandb); ``experiment/`` holds named deltas and ``sweep/`` sweep presets (both
+``# @package _global_``, checked against the primary schema).
 
 Every group option has one dataclass (``drafter/ngram.yaml`` is checked against
 :class:`NgramDrafterConfig`, and so on); :func:`register_configs` stores them in Hydra's ConfigStore so
 that a misspelt key or a value of the wrong type fails while Hydra composes the config, naming the key,
 before any model loads. :func:`to_experiment_config` (:func:`to_bench_config` for ``conf/bench.yaml``)
 turns the composed ``DictConfig`` into plain dataclasses and runs the cross-field checks
-(:func:`validate_config`); library code only ever sees those dataclasses.
+(:func:`validate_config`); library code only ever sees those dataclasses. The checks of values the
+library also takes are the library's own (``SpeculativeConfig``, the drafter's ``check_target``,
+``SamplingParams``, ``CacheConfig``...), their messages prefixed with the config key; only the
+experiment's own values (group names, datasets, logger, bench methods and systems) are checked here.
 """
 
 from __future__ import annotations
 
-import json
+import importlib
 import os
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-
-#: Tokenizer family of every zoo model: a draft model must share its target's vocabulary.
-ZOO_FAMILIES = {
-    "smollm2-135m-instruct": "smollm2",
-    "qwen2.5-coder-0.5b-instruct": "qwen2.5",
-    "qwen2.5-coder-1.5b-instruct": "qwen2.5",
-}
 
 
 class Dtype(str, Enum):
@@ -51,11 +50,13 @@ class ModelConfig:
         name: a zoo name (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``,
             ``qwen2.5-coder-1.5b-instruct``) or a local HF-format directory.
         dtype: ``float32``, ``bfloat16`` or ``float16``: the dtype this model runs in unless
-            ``engine.dtype`` says otherwise.
+            ``engine.dtype`` says otherwise. float32 by default, like ``LLM()`` and ``specdec generate``
+            (greedy output then equals transformers'; bfloat16 is faster but rounds differently with the
+            batch shape, which can flip greedy near-ties).
     """
 
     name: str = MISSING
-    dtype: Dtype = Dtype.bfloat16
+    dtype: Dtype = Dtype.float32
 
 
 # ----------------------------------------------------------------------------------------- drafter
@@ -159,10 +160,6 @@ class QuantizedSelfDrafterConfig(DrafterConfig):
         }
 
 
-#: Static-tree and dynamic-tree settings of the learned-head drafters (``SpeculativeConfig.tree``).
-HEAD_TREES = (None, "static", "dynamic")
-
-
 @dataclass
 class HeadDrafterConfig(DrafterConfig):
     """Base of the learned-head drafters (Medusa, EAGLE), whose heads ``experiments.train`` trains.
@@ -217,6 +214,39 @@ class EagleDrafterConfig(HeadDrafterConfig):
 
     method: str = "eagle"
     num_speculative_tokens: int = 4
+
+
+@dataclass
+class RegisteredDrafterConfig(DrafterConfig):
+    """Any drafter registered with :func:`specdec.drafters.register_drafter`, by name, with no library
+    edit: ``drafter=registered drafter.method=repeat_last drafter.import_module=my_drafters``.
+
+    Attributes:
+        method: the registered name (the one group whose ``method`` is set on the command line).
+        num_speculative_tokens: draft tokens per step (K), or the tree's depth.
+        model: what the drafter's registry entry says ``model`` is (a draft model, heads, or None).
+        tree: None (a chain), ``static`` or ``dynamic``, as the entry allows.
+        drafter_kwargs: keyword arguments of the drafter's constructor.
+        import_module: a module imported before the config is checked (e.g. ``my_drafters``), whose
+            import registers the drafter; None: it is registered already (a built-in).
+    """
+
+    method: str = MISSING
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    tree: str | None = None
+    drafter_kwargs: dict[str, Any] = field(default_factory=dict)
+    import_module: str | None = None
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """``{"method": <method>, ...}`` for ``specdec.LLM``: the fields, passed through."""
+        return {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "model": self.model,
+            "tree": self.tree,
+            "drafter_kwargs": dict(self.drafter_kwargs),
+        }
 
 
 # ----------------------------------------------------------------------------------------- dataset
@@ -527,8 +557,17 @@ class ExperimentConfig:
 # ------------------------------------------------------------------------------------------- bench
 #: The draft model ``experiments.bench`` pairs with a target when ``draft_model`` is not given.
 DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
-BENCH_METHODS = ("plain", "ngram", "draft_model")
 BENCH_SYSTEMS = ("specdec", "transformers")
+#: The methods transformers ``generate`` has a counterpart of (``experiments.bench.HF_METHOD_NAMES``):
+#: plain, prompt lookup and an assistant model.
+TRANSFORMERS_METHODS = ("plain", "ngram", "draft_model")
+
+
+def bench_methods() -> tuple[str, ...]:
+    """The methods of ``experiments.bench``: ``plain`` and every registered drafter."""
+    from specdec.drafters.registry import drafter_names
+
+    return ("plain", *drafter_names())
 
 
 @dataclass
@@ -537,13 +576,16 @@ class BenchConfig:
     dtype and ``max_tokens``, one process.
 
     Attributes:
-        methods: any of ``plain``, ``ngram`` (transformers: ``prompt_lookup_num_tokens``) and
-            ``draft_model`` (transformers: ``assistant_model``).
+        methods: ``plain`` and/or registered drafters (:func:`bench_methods`); with the
+            ``transformers`` system only those it has a counterpart of (:data:`TRANSFORMERS_METHODS`):
+            ``ngram`` (transformers: ``prompt_lookup_num_tokens``) and ``draft_model`` (transformers:
+            ``assistant_model``).
         systems: ``specdec`` and/or ``transformers``.
         num_speculative_tokens: k of both systems (transformers' assistant with a constant schedule).
         prompt_lookup_max, prompt_lookup_min: n-gram window (``prompt_lookup_max`` is transformers'
             ``max_matching_ngram_size``; transformers always goes down to 1).
-        draft_model: draft model of ``draft_model`` (None: the zoo's pair of the target).
+        draft_model: draft model of ``draft_model`` (of any method that takes a draft model; None: the
+            zoo's pair of the target).
         max_tokens: most new tokens per prompt.
         concurrency: specdec's concurrent requests (1: each prompt alone, timed one by one); prompts are
             reused round-robin to fill a batch.
@@ -577,22 +619,20 @@ class BenchConfig:
         return self.draft_model or DEFAULT_DRAFT_MODELS.get(self.model.name)
 
     def speculative_config(self, method: str) -> dict[str, Any] | None:
-        """``specdec.LLM``'s ``speculative_config`` of a method (None: plain)."""
-        k = self.num_speculative_tokens
-        if method == "ngram":
-            return {
-                "method": "ngram",
-                "num_speculative_tokens": k,
-                "prompt_lookup_max": self.prompt_lookup_max,
-                "prompt_lookup_min": self.prompt_lookup_min,
-            }
-        if method == "draft_model":
-            return {
-                "method": "draft_model",
-                "model": self.resolved_draft_model(),
-                "num_speculative_tokens": k,
-            }
-        return None
+        """``specdec.LLM``'s ``speculative_config`` of a method (None: plain): k, the n-gram window for a
+        drafter that reads it, the draft model for one that takes a model (its registry entry says)."""
+        if method == "plain":
+            return None
+        from specdec.drafters.registry import get_drafter
+
+        entry = get_drafter(method)
+        spec: dict[str, Any] = {"method": method, "num_speculative_tokens": self.num_speculative_tokens}
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+            if key in entry.fields:
+                spec[key] = getattr(self, key)
+        if entry.model == "model":
+            spec["model"] = self.resolved_draft_model()
+        return spec
 
 
 # ------------------------------------------------------------------------------------------- train
@@ -724,6 +764,7 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
     ("drafter", "medusa_schema"): MedusaDrafterConfig,
     ("drafter", "eagle_schema"): EagleDrafterConfig,
     ("drafter", "quantized_self_schema"): QuantizedSelfDrafterConfig,
+    ("drafter", "registered_schema"): RegisteredDrafterConfig,
     ("dataset", "builtin_schema"): BuiltinDatasetConfig,
     ("dataset", "jsonl_schema"): JsonlDatasetConfig,
     ("dataset", "humaneval_schema"): HumanEvalDatasetConfig,
@@ -743,55 +784,124 @@ def register_configs() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent).
 
     ``conf/config.yaml`` starts from ``experiment_schema`` (``conf/bench.yaml`` from ``bench_schema``);
-    each group option starts from its own ``<option>_schema`` (e.g. ``drafter/ngram.yaml`` lists
-    ``ngram_schema`` in its defaults), so a misspelt key or a value of the wrong type fails while Hydra
-    composes the config, naming the key.
+    each group option starts from its own schema, stored as ``schema/<group>/<option>`` (e.g.
+    ``drafter/ngram.yaml`` lists ``/schema/drafter/ngram@_here_`` in its defaults), so a misspelt key or a
+    value of the wrong type fails while Hydra composes the config, naming the key. The group schemas live
+    outside the option groups, so Hydra neither offers them as options (``drafter=ngram_schema``) nor
+    composes them as one.
     """
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     for (group, name), node in SCHEMAS.items():
-        cs.store(group=group, name=name, node=node)
+        if group is None:
+            cs.store(name=name, node=node)
+        else:
+            cs.store(group=f"schema/{group}", name=name.removesuffix("_schema"), node=node)
 
 
-def _vocab_size(model: str) -> int | None:
-    """``vocab_size`` from a local model directory's ``config.json`` (None when unknown)."""
-    cfg_file = Path(model).expanduser() / "config.json"
-    if not cfg_file.is_file():
-        return None
+def _keyed(prefix: str, err: Exception) -> str:
+    """A ``SpeculativeConfig`` error's message prefixed with the config key it is about:
+    ``<prefix>.<message>`` when the message starts with the name of a field, else ``<prefix>: <message>``
+    (``<prefix>.method: ...`` for an unknown method)."""
+    from specdec.config import SpeculativeConfig
+
+    message = str(err)
+    head = re.split(r"[ =:]", message, maxsplit=1)[0]
+    if head in SpeculativeConfig.__dataclass_fields__:
+        return f"{prefix}.{message}"
+    if message.startswith("speculative method must be one of"):
+        return f"{prefix}.method: {message}"
+    return f"{prefix}: {message}"
+
+
+def _speculative_config(spec: dict[str, Any], prefix: str) -> Any:
+    """``SpeculativeConfig.from_any(spec)``: every drafter check is the library's; a ``ValueError``
+    is re-raised with the key prefixed (see :func:`_keyed`)."""
+    from specdec.config import SpeculativeConfig
+
     try:
-        value = json.loads(cfg_file.read_text()).get("vocab_size")
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, int) else None
+        return SpeculativeConfig.from_any(spec)
+    except ValueError as e:
+        raise ValueError(_keyed(prefix, e)) from None
 
 
-def _check_same_vocabulary(target: str, draft: str, draft_key: str, target_key: str = "model") -> None:
-    """Raise ``ValueError`` when a draft model's tokenizer differs from the target's (zoo families or
-    local ``config.json`` vocabulary sizes)."""
-    target_family = ZOO_FAMILIES.get(target)
-    draft_family = ZOO_FAMILIES.get(draft)
-    mismatch = target_family is not None and draft_family is not None and target_family != draft_family
-    if not mismatch:
-        target_vocab, draft_vocab = _vocab_size(target), _vocab_size(draft)
-        mismatch = target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab
-    if mismatch:
-        same = sorted(n for n, f in ZOO_FAMILIES.items() if f == draft_family and n != draft)
-        hint = f" e.g. model={same[-1]}" if same else ""
-        raise ValueError(
-            f"drafter=draft_model: the draft model's vocabulary must match the target's, but "
-            f"{draft_key}={draft} and {target_key}={target} use different tokenizers. "
-            f"Pick a target of the draft model's family,{hint} (or set {draft_key} to a "
-            "model sharing the target's tokenizer)."
-        )
+def _local_model_dir(model: str) -> Path | None:
+    """The directory of ``model``'s ``config.json`` when it is here without a download: a local
+    HF-format directory, or a zoo model already converted (None otherwise)."""
+    from specdec.zoo import ZOO, is_converted, model_dir
+
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if model in ZOO and is_converted(model):
+        return model_dir(model)
+    return None
+
+
+def _check_against_target(target: str, spec: Any, what: str, target_key: str = "model") -> None:
+    """Run the drafter's own ``check_target`` (the draft model's vocabulary against the target's, the
+    quantized self-drafter's group size against the target's layers...) before any model loads, as
+    ``specdec.LLM`` does, when the configs it reads are here without a download; otherwise ``specdec.LLM``
+    runs it after fetching, still before any weights load.
+
+    Args:
+        what: the offending setting, for the message (``drafter.model=...``).
+
+    Raises:
+        ValueError: the drafter's check fails (its message, naming ``what`` and the target).
+    """
+    from specdec.drafters.heads import default_heads_name, resolve_heads_dir
+    from specdec.drafters.registry import get_drafter
+    from specdec.errors import SpecdecError
+    from specdec.models.config import ModelArchConfig
+    from specdec.zoo import ZOO
+
+    entry = get_drafter(spec.method)
+    paired = sorted(t for t, d in DEFAULT_DRAFT_MODELS.items() if d == spec.model and t != target)
+    hint = f"; {spec.model} is the draft model of {target_key}={paired[0]}" if paired else ""
+    if entry.model == "model" and target in ZOO and spec.model in ZOO:  # known before any fetch
+        want, got = ZOO[target].vocab_size, ZOO[spec.model].vocab_size
+        if want is not None and got is not None and want != got:
+            raise ValueError(
+                f"{what} does not fit {target_key}={target}: the draft model's vocabulary ({got} tokens) "
+                f"differs from the target's ({want}); draft and target must share a tokenizer{hint}"
+            )
+    target_dir = _local_model_dir(target)
+    if entry.check_target is None or target_dir is None:
+        return
+    try:
+        draft_dir: Path | None = None
+        if entry.model == "model":
+            draft_dir = _local_model_dir(spec.model)
+            if draft_dir is None:
+                return
+        elif entry.model == "heads":
+            draft_dir = resolve_heads_dir(spec.model or default_heads_name(target, spec.method))
+        arch = ModelArchConfig.from_pretrained(target_dir)
+    except SpecdecError:
+        return  # unreadable here: specdec.LLM reports it
+    try:
+        entry.check_target(arch, spec, draft_dir)
+    except SpecdecError as e:
+        raise ValueError(f"{what} does not fit {target_key}={target}: {e}{hint}") from None
 
 
 def _check_engine(e: EngineConfig) -> None:
-    from specdec.config import CacheConfig, SchedulerConfig
+    """The engine's values, checked by the library's own configs (``CacheConfig``, ``SchedulerConfig``,
+    ``QuantizationConfig``, ``resolve_dtype``); the device is only parsed (it is picked on the machine
+    that runs the job, see :func:`experiments.tracking.pick_device`)."""
+    from specdec.config import CacheConfig, SchedulerConfig, resolve_dtype
+    from specdec.quantization.config import QuantizationConfig
 
     try:
-        CacheConfig(e.block_size, e.num_kv_blocks, e.enable_prefix_caching, e.kv_cache_memory_bytes)
+        CacheConfig(
+            e.block_size, e.num_kv_blocks, e.enable_prefix_caching, e.kv_cache_memory_bytes, e.kv_cache_dtype
+        )
         SchedulerConfig(e.max_num_batched_tokens, e.max_num_seqs, e.max_model_len)
+        QuantizationConfig.from_any(e.quantization_arg())
+        if e.dtype is not None:
+            resolve_dtype(e.dtype.value)
     except ValueError as err:
         raise ValueError(f"engine.{err}") from None
     if e.torch_threads is not None and e.torch_threads < 1:
@@ -845,7 +955,8 @@ def sampling_params_kwargs(s: SamplingConfig, g: GrammarConfig) -> dict[str, Any
 
 def _check_group_names(cfg: ExperimentConfig) -> None:
     """``drafter.method``, ``dataset.name``, ``grammar.kind`` and ``logger.name`` name the chosen config
-    group; overriding one alone would relabel the run without changing what runs.
+    group; overriding one alone would relabel the run without changing what runs. The exception is
+    ``drafter=registered``, whose ``method`` is the registered drafter to run.
 
     Raises:
         ValueError: naming the key and the group to choose instead.
@@ -853,7 +964,7 @@ def _check_group_names(cfg: ExperimentConfig) -> None:
     for group, attr in (("drafter", "method"), ("dataset", "name"), ("grammar", "kind"), ("logger", "name")):
         obj = getattr(cfg, group)
         fields = getattr(type(obj), "__dataclass_fields__", {})
-        if attr not in fields:
+        if attr not in fields or isinstance(obj, RegisteredDrafterConfig):
             continue
         expected, value = fields[attr].default, getattr(obj, attr)
         if isinstance(expected, str) and value != expected:
@@ -864,22 +975,41 @@ def _check_group_names(cfg: ExperimentConfig) -> None:
             )
 
 
+def _import_drafter_module(d: DrafterConfig) -> None:
+    """Import ``drafter.import_module`` (``drafter=registered``), whose import registers the drafter.
+
+    Raises:
+        ValueError: the module cannot be imported (naming ``drafter.import_module``).
+    """
+    module = getattr(d, "import_module", None)
+    if module is None:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"drafter.import_module={module!r} cannot be imported: {e}") from e
+
+
 def validate_config(cfg: ExperimentConfig) -> None:
     """Cross-field checks that a schema cannot express; cheap, and run before any model loads.
 
-    Every message starts with the offending key (``drafter.num_speculative_tokens must be ...``,
-    ``sampling: top_p must be ...``, ``engine.block_size must be ...``).
+    Every value the library checks is checked by the library: the drafter by
+    ``specdec.config.SpeculativeConfig`` (and its registry entry's ``check_target`` when the models'
+    configs are here), sampling and grammar by ``SamplingParams``, the engine by specdec's
+    ``CacheConfig``/``SchedulerConfig``/``QuantizationConfig``. Every message starts with the offending
+    key (``drafter.num_speculative_tokens must be ...``, ``sampling: top_p must be ...``,
+    ``engine.block_size must be ...``).
 
     Raises:
-        ValueError: a non-positive ``max_tokens``/``limit``/``num_speculative_tokens``, an invalid
-            n-gram window, a sampling or grammar value ``SamplingParams`` rejects, an engine value
-            ``specdec.LLM`` would reject, or a draft model whose vocabulary differs from the target's.
+        ValueError: a relabelled group, a ``drafter.import_module`` that cannot be imported, a
+            non-positive ``max_tokens``/``limit``, a drafter, sampling, grammar or engine value the
+            library rejects, or a drafter that does not fit the target (e.g. a draft model of another
+            vocabulary).
     """
+    _import_drafter_module(cfg.drafter)
     _check_group_names(cfg)
     if cfg.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {cfg.max_tokens}")
-    if cfg.sampling.temperature < 0:
-        raise ValueError(f"sampling.temperature must be >= 0, got {cfg.sampling.temperature}")
     from sampling.params import SamplingParams
 
     try:
@@ -894,38 +1024,44 @@ def validate_config(cfg: ExperimentConfig) -> None:
     _check_engine(cfg.engine)
     _check_logger(cfg.logger)
     d = cfg.drafter
-    if isinstance(d, (NgramDrafterConfig, DraftModelDrafterConfig)) and d.num_speculative_tokens < 1:
-        raise ValueError(f"drafter.num_speculative_tokens must be >= 1, got {d.num_speculative_tokens}")
-    if isinstance(d, NgramDrafterConfig) and not 1 <= d.prompt_lookup_min <= d.prompt_lookup_max:
-        raise ValueError(
-            "need 1 <= drafter.prompt_lookup_min <= drafter.prompt_lookup_max, got "
-            f"{d.prompt_lookup_min} and {d.prompt_lookup_max}"
-        )
     spec = d.speculative_config()
     if spec is not None:
-        from specdec.config import SpeculativeConfig
-
         try:
-            SpeculativeConfig.from_any(spec)
+            config = _speculative_config(spec, "drafter")
         except ValueError as e:
-            raise ValueError(f"drafter.{e}") from None
-    if isinstance(d, DraftModelDrafterConfig):
-        _check_same_vocabulary(cfg.model.name, d.model, "drafter.model")
+            if (
+                isinstance(d, RegisteredDrafterConfig)
+                and d.import_module is None
+                and f"{e}".startswith("drafter.method:")
+            ):
+                raise ValueError(
+                    f"{e}; a drafter of your own: set drafter.import_module=<the module that registers it>"
+                ) from None
+            raise
+        what = f"drafter.model={config.model}" if config.model else f"drafter={config.method}"
+        _check_against_target(cfg.model.name, config, what)
 
 
 def validate_bench_config(cfg: BenchConfig) -> None:
     """The checks of :func:`validate_config` for ``experiments.bench``.
 
     Raises:
-        ValueError: an unknown method or system, a non-positive count, a missing or mismatched draft
-            model, or an engine value ``specdec.LLM`` would reject.
+        ValueError: an unknown method or system, a method transformers has no counterpart of, a
+            non-positive count, a missing or mismatched draft model, or a drafter or engine value the
+            library rejects.
     """
-    unknown = [m for m in cfg.methods if m not in BENCH_METHODS]
+    methods = bench_methods()
+    unknown = [m for m in cfg.methods if m not in methods]
     if unknown or not cfg.methods:
-        raise ValueError(f"methods must be a non-empty subset of {list(BENCH_METHODS)}, got {cfg.methods}")
+        raise ValueError(f"methods must be a non-empty subset of {list(methods)}, got {cfg.methods}")
     unknown = [s for s in cfg.systems if s not in BENCH_SYSTEMS]
     if unknown or not cfg.systems:
         raise ValueError(f"systems must be a non-empty subset of {list(BENCH_SYSTEMS)}, got {cfg.systems}")
+    if "transformers" in cfg.systems and any(m not in TRANSFORMERS_METHODS for m in cfg.methods):
+        raise ValueError(
+            f"methods must be a non-empty subset of {list(TRANSFORMERS_METHODS)} with the transformers "
+            f"system (the others have no transformers counterpart; set systems=[specdec]), got {cfg.methods}"
+        )
     if cfg.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {cfg.max_tokens}")
     if not cfg.concurrency or any(c < 1 for c in cfg.concurrency):
@@ -940,24 +1076,26 @@ def validate_bench_config(cfg: BenchConfig) -> None:
     _check_engine(cfg.engine)
     _check_logger(cfg.logger)
     from specdec.config import SpeculativeConfig
+    from specdec.drafters.registry import get_drafter
 
+    keys = tuple(BenchConfig.__dataclass_fields__)
     for method in cfg.methods:
-        if method == "draft_model" and cfg.resolved_draft_model() is None:
+        if method == "plain":
+            continue
+        if get_drafter(method).model == "model" and cfg.resolved_draft_model() is None:
             raise ValueError(
-                f"methods has draft_model but model={cfg.model.name} has no default draft model: set "
+                f"methods has {method} but model={cfg.model.name} has no default draft model: set "
                 f"draft_model=<zoo name or directory> (zoo pairs: {DEFAULT_DRAFT_MODELS})"
             )
-        spec = cfg.speculative_config(method)
-        if spec is not None:
-            try:
-                SpeculativeConfig.from_any(spec)
-            except ValueError as e:
-                key = "num_speculative_tokens" if "num_speculative_tokens" in str(e) else "method"
-                raise ValueError(f"{key}: {e}") from None
-    if "draft_model" in cfg.methods:
-        draft = cfg.resolved_draft_model()
-        assert draft is not None
-        _check_same_vocabulary(cfg.model.name, draft, "draft_model")
+        try:
+            config = SpeculativeConfig.from_any(cfg.speculative_config(method))
+        except ValueError as e:
+            # keyed by the bench key the message starts with (num_speculative_tokens...), else the method
+            head = re.split(r"[ =:]", str(e), maxsplit=1)[0]
+            raise ValueError(str(e) if head in keys else f"methods ({method}): {e}") from None
+        assert config is not None
+        what = f"draft_model={config.model}" if config.model else f"methods={method}"
+        _check_against_target(cfg.model.name, config, what)
 
 
 def _to_object(cfg: DictConfig, schema: type, name: str) -> Any:
@@ -1001,9 +1139,9 @@ def validate_train_config(cfg: TrainConfig) -> None:
     loads.
 
     Raises:
-        ValueError: a drafter other than medusa/eagle, a relabelled group, a tree option that does not
-            exist, a non-positive count or budget, neither a time budget nor epochs, greedy with ``n`` > 1,
-            or an engine value ``specdec.LLM`` would reject.
+        ValueError: a drafter other than medusa/eagle, a relabelled group, a drafter value the library
+            rejects (``SpeculativeConfig``), a non-positive count or budget, neither a time budget nor
+            epochs, greedy with ``n`` > 1, or an engine value ``specdec.LLM`` would reject.
     """
     d, data, t = cfg.drafter, cfg.data, cfg.train
     if not isinstance(d, HeadDrafterConfig):
@@ -1017,15 +1155,14 @@ def validate_train_config(cfg: TrainConfig) -> None:
                 f"group instead ({group}={value})"
             )
     _check_logger(cfg.logger)
-    if not 1 <= d.num_speculative_tokens <= 16:
-        raise ValueError(f"drafter.num_speculative_tokens must be in [1, 16], got {d.num_speculative_tokens}")
-    if d.tree not in HEAD_TREES:
-        raise ValueError(f"drafter.tree must be null, static or dynamic, got {d.tree!r}")
-    if d.tree_topk < 1 or d.max_tree_nodes < 1:
-        raise ValueError(
-            "drafter.tree_topk and drafter.max_tree_nodes must be >= 1, got "
-            f"{d.tree_topk} and {d.max_tree_nodes}"
-        )
+    from specdec.drafters.registry import get_drafter
+
+    # k, the tree and the dynamic tree's options are the library's to check (those the method reads);
+    # tree_choices and model are left to the evaluation's specdec.LLM, as before.
+    spec = d.speculative_config()
+    assert spec is not None
+    keys = ("method", "num_speculative_tokens", "tree", *get_drafter(d.method).fields)
+    _speculative_config({k: v for k, v in spec.items() if k in keys and k != "tree_choices"}, "drafter")
     if isinstance(d, MedusaDrafterConfig) and d.num_speculative_tokens > t.medusa_num_heads:
         raise ValueError(
             f"drafter.num_speculative_tokens={d.num_speculative_tokens} needs as many Medusa heads, but "

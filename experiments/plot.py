@@ -16,8 +16,10 @@ is read. Written to ``--out`` (default: ``<first RUN_DIR>/plots``):
   (draft time ÷ draft tokens × baseline tokens/s; about 0 for n-gram lookup).
 - ``acceptance_per_category.{png,svg}``: acceptance rate per dataset category (Spec-Bench's 13
   categories with ``dataset=jsonl``).
-- ``acceptance_vs_temperature.{png,svg}``: acceptance rate against ``sampling.temperature``.
-- ``drafters.{png,svg}``: speedup, τ and acceptance rate of each drafter at its best draft length.
+- ``acceptance_vs_temperature.{png,svg}``: acceptance rate against ``sampling.temperature``; only
+  when the speculative runs use more than one temperature.
+- ``drafters.{png,svg}``: speedup, τ and acceptance rate of each drafter at its best draft length; only
+  when the runs compare more than one drafter.
 - ``results.md``: one row per run; ``aggregate.json``: the numbers behind every figure.
 
 After a multirun, :class:`AggregateSweepCallback` (configured in ``conf/config.yaml``) does the same for
@@ -237,6 +239,15 @@ def _save(fig: Any, out_dir: Path, name: str, formats: Sequence[str]) -> list[Pa
     return paths
 
 
+def _skip(out_dir: Path, name: str, formats: Sequence[str], reason: str) -> str:
+    """A figure whose axis does not vary is not drawn (a stale one from an earlier aggregation into
+    ``out_dir`` is removed). Returns the reason, for the figure's ``"skipped"`` entry."""
+    for fmt in formats:
+        (out_dir / f"{name}.{fmt}").unlink(missing_ok=True)
+    logger.info("%s not drawn: %s", name, reason)
+    return reason
+
+
 def _no_data(ax: Any, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} in these runs", ha="center", va="center", transform=ax.transAxes)
     ax.set_xticks([])
@@ -430,8 +441,9 @@ def plot_acceptance_per_category(
 def plot_acceptance_vs_temperature(
     runs: Sequence[Run], out_dir: Path, formats: Sequence[str] = FORMATS
 ) -> dict[str, Any]:
-    """Acceptance rate against sampling temperature, one line per configuration. Returns ``{"groups":
-    {label: {"temperature", "acceptance_rate", "tau"}}, "files"}``."""
+    """Acceptance rate against sampling temperature, one line per configuration; drawn only when the
+    speculative runs use more than one temperature (else ``"files"`` is empty and ``"skipped"`` says
+    why). Returns ``{"groups": {label: {"temperature", "acceptance_rate", "tau"}}, "files"}``."""
     spec = [r for r in runs if r.speculative]
     varying = varying_keys(runs)
     groups: dict[str, Any] = {}
@@ -444,17 +456,19 @@ def plot_acceptance_vs_temperature(
         }
     if any(len(g["temperature"]) > 1 for g in groups.values()):  # draw the configurations swept over T
         groups = {label: g for label, g in groups.items() if len(g["temperature"]) > 1}
+    temperatures = {r.config["sampling"]["temperature"] for r in spec}
+    if len(temperatures) < 2:
+        why = f"one temperature ({temperatures.pop()})" if temperatures else "no speculative runs"
+        skipped = _skip(out_dir, "acceptance_vs_temperature", formats, why)
+        return {"groups": groups, "files": [], "skipped": skipped}
     fig, ax = _figure()
-    if groups:
-        for label, g in groups.items():
-            ax.plot(g["temperature"], g["acceptance_rate"], "o-", label=label)
-        ax.set_ylim(0, 1.05)
-        ax.set_xlabel("sampling temperature (0 = greedy)")
-        ax.set_ylabel("acceptance rate (accepted ÷ drafted tokens)")
-        ax.grid(alpha=0.3)
-        _legend(ax, len(groups))
-    else:
-        _no_data(ax, "speculative runs")
+    for label, g in groups.items():
+        ax.plot(g["temperature"], g["acceptance_rate"], "o-", label=label)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("sampling temperature (0 = greedy)")
+    ax.set_ylabel("acceptance rate (accepted ÷ drafted tokens)")
+    ax.grid(alpha=0.3)
+    _legend(ax, len(groups))
     _title(ax, "Acceptance against temperature", runs)
     files = _save(fig, out_dir, "acceptance_vs_temperature", formats)
     return {"groups": groups, "files": [str(f) for f in files]}
@@ -468,8 +482,9 @@ def _drafter_name(run: Run, varying: Sequence[str]) -> str:
 
 def plot_drafters(runs: Sequence[Run], out_dir: Path, formats: Sequence[str] = FORMATS) -> dict[str, Any]:
     """Each drafter at its best draft length (highest speedup): speedup, τ and acceptance rate side by
-    side. Returns ``{"drafters": {name: {"label", "k", "speedup", "tau", "acceptance_rate",
-    "tokens_per_s_spec", "tokens_per_s_baseline"}}, "files"}``."""
+    side; drawn only when the runs compare more than one drafter (else ``"files"`` is empty and
+    ``"skipped"`` says why). Returns ``{"drafters": {name: {"label", "k", "speedup", "tau",
+    "acceptance_rate", "tokens_per_s_spec", "tokens_per_s_baseline"}}, "files"}``."""
     spec = [r for r in runs if r.speculative]
     varying = varying_keys(runs)
     best: dict[str, Run] = {}
@@ -489,6 +504,9 @@ def plot_drafters(runs: Sequence[Run], out_dir: Path, formats: Sequence[str] = F
         }
         for name, r in best.items()
     }
+    if len(drafters) < 2:
+        why = f"one drafter ({next(iter(drafters))})" if drafters else "no speculative runs"
+        return {"drafters": drafters, "files": [], "skipped": _skip(out_dir, "drafters", formats, why)}
     fig, axes = _figure(12.0, 4.6, ncols=3)
     panels = (
         ("speedup", "speedup over plain decoding (×)", "Speedup"),
@@ -497,9 +515,6 @@ def plot_drafters(runs: Sequence[Run], out_dir: Path, formats: Sequence[str] = F
     )
     names = list(drafters)
     for ax, (key, ylabel, title) in zip(axes, panels):
-        if not names:
-            _no_data(ax, "speculative runs")
-            continue
         vals = [drafters[n][key] or 0.0 for n in names]
         bars = ax.bar(range(len(names)), vals, color=[f"C{i % 10}" for i in range(len(names))])
         for bar, n, v in zip(bars, names, vals):

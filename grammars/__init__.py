@@ -20,51 +20,100 @@ Modules, one concept each: :mod:`~grammars.base` (spec and Protocols), :mod:`~gr
 fingerprint), :mod:`~grammars.outlines_backend` (the backend), :mod:`~grammars.cache` (compile cache),
 :mod:`~grammars.schema` (what outlines-core ignores in a JSON schema; instance validation),
 :mod:`~grammars.errors`.
+
+Public names are imported lazily (PEP 562): ``import grammars.errors`` (used by ``sampling`` and
+:mod:`specdec.errors`) runs only the standard library, and the backend (outlines-core, numpy, torch)
+loads at the first use of a name that needs it.
 """
 
-from grammars.base import CompiledGrammar, Grammar, GrammarBackend, GrammarSpec
-from grammars.bitmask import (
-    allocate_token_bitmask,
-    apply_token_bitmask,
-    bitmask_width,
-    is_token_allowed,
-    pack_bitmask,
-    set_token_bits,
-    token_ids_to_bitmask_row,
-    unpack_bitmask,
-)
-from grammars.cache import CompileCache
-from grammars.errors import (
-    GrammarCompileError,
-    GrammarCompileTimeoutError,
-    GrammarError,
-    GrammarSpecError,
-    GrammarTooLargeError,
-    UnsupportedSchemaError,
-)
-from grammars.outlines_backend import (
-    DEFAULT_WHITESPACE_PATTERN,
-    OutlinesBackend,
-    OutlinesCompiledGrammar,
-    OutlinesGrammar,
-    spec_to_regex,
-)
-from grammars.schema import (
-    IGNORED_KEYWORDS,
-    SchemaFinding,
-    check_schema,
-    find_ignored_keywords,
-    normalize_schema,
-    schema_findings,
-    validate_instance,
-)
-from grammars.vocabulary import (
-    TokenVocabulary,
-    build_outlines_vocabulary,
-    bytes_to_unicode,
-    tokenizer_fingerprint,
-    tokenizer_vocabulary,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grammars.base import CompiledGrammar, Grammar, GrammarBackend, GrammarSpec
+    from grammars.bitmask import (
+        allocate_token_bitmask,
+        apply_token_bitmask,
+        bitmask_width,
+        is_token_allowed,
+        pack_bitmask,
+        set_token_bits,
+        token_ids_to_bitmask_row,
+        unpack_bitmask,
+    )
+    from grammars.cache import CompileCache
+    from grammars.errors import (
+        GrammarCompileError,
+        GrammarCompileTimeoutError,
+        GrammarError,
+        GrammarSpecError,
+        GrammarTooLargeError,
+        UnsupportedSchemaError,
+    )
+    from grammars.outlines_backend import (
+        DEFAULT_WHITESPACE_PATTERN,
+        OutlinesBackend,
+        OutlinesCompiledGrammar,
+        OutlinesGrammar,
+        spec_to_regex,
+    )
+    from grammars.schema import (
+        IGNORED_KEYWORDS,
+        SchemaFinding,
+        check_schema,
+        find_ignored_keywords,
+        normalize_schema,
+        schema_findings,
+        validate_instance,
+    )
+    from grammars.vocabulary import (
+        TokenVocabulary,
+        build_outlines_vocabulary,
+        bytes_to_unicode,
+        tokenizer_fingerprint,
+        tokenizer_vocabulary,
+    )
+
+_LAZY = {
+    "CompiledGrammar": "grammars.base",
+    "Grammar": "grammars.base",
+    "GrammarBackend": "grammars.base",
+    "GrammarSpec": "grammars.base",
+    "allocate_token_bitmask": "grammars.bitmask",
+    "apply_token_bitmask": "grammars.bitmask",
+    "bitmask_width": "grammars.bitmask",
+    "is_token_allowed": "grammars.bitmask",
+    "pack_bitmask": "grammars.bitmask",
+    "set_token_bits": "grammars.bitmask",
+    "token_ids_to_bitmask_row": "grammars.bitmask",
+    "unpack_bitmask": "grammars.bitmask",
+    "CompileCache": "grammars.cache",
+    "GrammarCompileError": "grammars.errors",
+    "GrammarCompileTimeoutError": "grammars.errors",
+    "GrammarError": "grammars.errors",
+    "GrammarSpecError": "grammars.errors",
+    "GrammarTooLargeError": "grammars.errors",
+    "UnsupportedSchemaError": "grammars.errors",
+    "DEFAULT_WHITESPACE_PATTERN": "grammars.outlines_backend",
+    "OutlinesBackend": "grammars.outlines_backend",
+    "OutlinesCompiledGrammar": "grammars.outlines_backend",
+    "OutlinesGrammar": "grammars.outlines_backend",
+    "spec_to_regex": "grammars.outlines_backend",
+    "IGNORED_KEYWORDS": "grammars.schema",
+    "SchemaFinding": "grammars.schema",
+    "check_schema": "grammars.schema",
+    "find_ignored_keywords": "grammars.schema",
+    "normalize_schema": "grammars.schema",
+    "schema_findings": "grammars.schema",
+    "validate_instance": "grammars.schema",
+    "TokenVocabulary": "grammars.vocabulary",
+    "build_outlines_vocabulary": "grammars.vocabulary",
+    "bytes_to_unicode": "grammars.vocabulary",
+    "tokenizer_fingerprint": "grammars.vocabulary",
+    "tokenizer_vocabulary": "grammars.vocabulary",
+}
 
 __all__ = [
     "DEFAULT_WHITESPACE_PATTERN",
@@ -104,3 +153,16 @@ __all__ = [
     "unpack_bitmask",
     "validate_instance",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'grammars' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -6,8 +6,10 @@ says whether token ``32 * w + j`` is allowed (1) or not (0). This is the layout 
 token bitmasks, 32× smaller than a bool mask, so a CPU-filled mask is cheap to ship to an accelerator.
 Bits at positions ``>= vocab_size`` in the last word are padding and are ignored by every reader.
 
-:func:`apply_token_bitmask_torch` is the pure-torch reference; the Triton kernel
-(:mod:`kernels.token_bitmask`) must match it exactly, and :func:`apply_token_bitmask` uses it on CUDA.
+:func:`apply_token_bitmask_torch` is the pure-torch reference; the Triton kernel must match it exactly,
+and :func:`apply_token_bitmask` uses it on CUDA. Both, and the format's basic helpers
+(:data:`BITS_PER_WORD`, :func:`bitmask_width`, :func:`unpack_bitmask`), are defined in
+:mod:`kernels.token_bitmask` (the layer below, see ``docs/layers.md``) and re-exported here.
 """
 
 from __future__ import annotations
@@ -17,18 +19,29 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-BITS_PER_WORD = 32
+from kernels._triton import use_triton
+from kernels.token_bitmask import (
+    BITS_PER_WORD,
+    apply_token_bitmask_inplace_triton,
+    apply_token_bitmask_torch,
+    bitmask_width,
+    check_bitmask,
+    unpack_bitmask,
+)
 
-
-def bitmask_width(vocab_size: int) -> int:
-    """Words per row: ``ceil(vocab_size / 32)``.
-
-    Raises:
-        ValueError: ``vocab_size`` < 1.
-    """
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    return (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+__all__ = [
+    "BITS_PER_WORD",
+    "allocate_token_bitmask",
+    "apply_token_bitmask",
+    "apply_token_bitmask_torch",
+    "bitmask_width",
+    "check_bitmask",
+    "is_token_allowed",
+    "pack_bitmask",
+    "set_token_bits",
+    "token_ids_to_bitmask_row",
+    "unpack_bitmask",
+]
 
 
 def allocate_token_bitmask(
@@ -45,38 +58,6 @@ def allocate_token_bitmask(
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
     return torch.full((num_rows, bitmask_width(vocab_size)), -1, dtype=torch.int32, device=device)
-
-
-def _bit_positions(device: torch.device) -> torch.Tensor:
-    return torch.arange(BITS_PER_WORD, dtype=torch.int32, device=device)
-
-
-def _check_bitmask(bitmask: torch.Tensor, vocab_size: int) -> None:
-    if bitmask.dtype != torch.int32 or bitmask.dim() != 2:
-        raise ValueError(f"bitmask must be int32 [rows, words], got {bitmask.dtype} {list(bitmask.shape)}")
-    if bitmask.shape[1] * BITS_PER_WORD < vocab_size:
-        raise ValueError(
-            f"bitmask has {bitmask.shape[1]} words per row, too few for vocab_size {vocab_size} "
-            f"(needs {bitmask_width(vocab_size)})"
-        )
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Unpack to one bool per token.
-
-    Args:
-        bitmask: int32 ``[rows, W]`` with ``32 * W >= vocab_size``.
-        vocab_size: tokens to unpack; padding bits beyond it are dropped.
-
-    Returns:
-        bool ``[rows, vocab_size]`` on ``bitmask``'s device, True = allowed.
-
-    Raises:
-        ValueError: wrong dtype or rank, or too few words for ``vocab_size``.
-    """
-    _check_bitmask(bitmask, vocab_size)
-    bits = (bitmask.unsqueeze(-1) >> _bit_positions(bitmask.device)) & 1  # arithmetic shift; bit 0 is exact
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
@@ -155,36 +136,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     :mod:`kernels.token_bitmask` masks a copy (unless ``SPECDEC_FORCE_REFERENCE=1``); elsewhere
     :func:`apply_token_bitmask_torch` runs. Arguments, result and errors: as the reference's.
     """
-    if logits.is_cuda and logits.dim() == 2 and logits.is_floating_point() and bitmask.dim() == 2:
-        from kernels._triton import use_triton
-
-        if bitmask.shape[0] == logits.shape[0] and use_triton(logits, bitmask):
-            from kernels.token_bitmask import apply_token_bitmask_inplace_triton
-
-            _check_bitmask(bitmask, logits.shape[1])
-            out = logits.clone(memory_format=torch.contiguous_format)
-            apply_token_bitmask_inplace_triton(out, bitmask.contiguous())
-            return out
+    if (
+        logits.is_cuda
+        and logits.dim() == 2
+        and logits.is_floating_point()
+        and bitmask.dim() == 2
+        and bitmask.shape[0] == logits.shape[0]
+        and use_triton(logits, bitmask)
+    ):
+        check_bitmask(bitmask, logits.shape[1])
+        out = logits.clone(memory_format=torch.contiguous_format)
+        apply_token_bitmask_inplace_triton(out, bitmask.contiguous())
+        return out
     return apply_token_bitmask_torch(logits, bitmask)
-
-
-def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Reference masking in pure torch: disallowed tokens get ``-inf``; ``logits`` is not modified.
-
-    Args:
-        logits: float ``[rows, V]`` (any floating dtype, any device).
-        bitmask: int32 ``[rows, W]`` with ``32 * W >= V``, on ``logits``' device.
-
-    Returns:
-        a new ``[rows, V]`` tensor of ``logits``' dtype.
-
-    Raises:
-        ValueError: row counts differ, ``logits`` is not 2-D floating point, or ``bitmask`` is not int32
-            with enough words.
-    """
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"logits must be floating [rows, vocab], got {logits.dtype} {list(logits.shape)}")
-    if bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
-        raise ValueError(f"bitmask {list(bitmask.shape)} does not match logits {list(logits.shape)} rows")
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
-    return logits.masked_fill(~allowed, float("-inf"))

@@ -34,6 +34,7 @@ and the index size is checked there against ``max_index_states`` before it is sh
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -64,6 +65,7 @@ DEFAULT_WHITESPACE_PATTERN = r"[ ]?"
 _SENTINEL_BYTES = b"\x00"
 _WORKER = Path(__file__).with_name("_index_worker.py")
 _TERMINATED = -1
+_INDEX_ERROR = "outlines-core cannot build the token index: "
 # regex_syntax::is_meta_character
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
@@ -102,6 +104,34 @@ def spec_to_regex(spec: GrammarSpec, strict_schema: bool = False) -> tuple[str, 
     if spec.kind == "choice":
         return "|".join(escape_regex_literal(c) for c in json.loads(spec.value)), []
     return _strip_anchors(spec.value), []
+
+
+def explain_regex_error(pattern: str, message: str) -> str:
+    """A readable reason why outlines-core (Rust ``regex-automata``) failed on the user's ``pattern``.
+
+    outlines-core reports a syntax error as "Failed to build DFA error building NFA", without where or
+    why. Python's :mod:`re` names the position and the cause, so a pattern both engines reject is
+    explained by ``re``. (``re`` is not the judge: Rust's syntax accepts ``\\p{L}``, ``\\z`` or
+    ``(?<name>...)``, which ``re`` rejects, so it is consulted only once outlines-core has failed.) A
+    pattern that ``re`` accepts but outlines-core cannot parse uses a feature Rust's syntax lacks.
+    """
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        where = "" if e.pos is None else f" at position {e.pos}"
+        excerpt = "" if e.pos is None else f" ({pattern[e.pos : e.pos + 24]!r})"
+        return (
+            f"{_INDEX_ERROR}the regex {pattern!r} is not a valid regular expression: {e.msg}{where}{excerpt}"
+        )
+    if "error building NFA" in message:
+        return (
+            f"{_INDEX_ERROR}the regex {pattern!r} is valid Python but not "
+            "in the regex syntax outlines-core compiles "
+            "(Rust's regex crate): it has no look-around ((?=...), (?!...), (?<=...), (?<!...)), "
+            "backreferences (\\1), atomic groups ((?>...)), conditionals "
+            f"((?(1)...)) or {{,n}} without a lower bound ({message.removeprefix(_INDEX_ERROR)})"
+        )
+    return message
 
 
 class OutlinesCompiledGrammar:
@@ -367,10 +397,17 @@ class OutlinesBackend:
         t0 = time.perf_counter()
         regex, ignored = spec_to_regex(spec, self.strict_schema)
         wrapped = "\\x00(?:" + regex + ")$"
-        if self.compile_in_subprocess:
-            index, num_states = self._build_in_subprocess(wrapped, t0)
-        else:
-            index, num_states = self._build_in_thread(wrapped, t0)
+        try:
+            if self.compile_in_subprocess:
+                index, num_states = self._build_in_subprocess(wrapped, t0)
+            else:
+                index, num_states = self._build_in_thread(wrapped, t0)
+        except (GrammarCompileTimeoutError, GrammarTooLargeError):
+            raise
+        except GrammarCompileError as e:
+            if spec.kind != "regex":
+                raise
+            raise GrammarCompileError(explain_regex_error(spec.value, str(e))) from None
         initial = index.get_next_state(index.get_initial_state(), self.sentinel_token_id)
         if initial is None:  # cannot happen: the sentinel byte always starts the wrapped regex
             raise GrammarCompileError(f"the index of {spec.kind} has no start state")
@@ -439,7 +476,7 @@ class OutlinesBackend:
             raise GrammarTooLargeError(
                 f"the grammar's token index has {message}, more than max_index_states={self.max_index_states}"
             )
-        raise GrammarCompileError(f"outlines-core cannot build the token index: {message}")
+        raise GrammarCompileError(f"{_INDEX_ERROR}{message}")
 
     def _build_in_thread(self, regex: str, t0: float) -> tuple[outlines_core.Index, int]:
         with self._lock:
@@ -451,7 +488,7 @@ class OutlinesBackend:
         try:
             index = outlines_core.Index(regex, vocabulary)
         except (ValueError, RuntimeError) as e:
-            raise GrammarCompileError(f"outlines-core cannot build the token index: {e}") from None
+            raise GrammarCompileError(f"{_INDEX_ERROR}{e}") from None
         if time.perf_counter() - t0 > self.compile_timeout_s:
             raise GrammarCompileTimeoutError(
                 f"compiling the grammar took longer than compile_timeout_s={self.compile_timeout_s} s"

@@ -47,8 +47,11 @@ compiles wrongly or not at all.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -398,6 +401,21 @@ def normalize_schema(schema: Any) -> Any:
     return out
 
 
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("grammars_schema_quiet", default=False)
+
+
+@contextlib.contextmanager
+def quiet_schema_warnings() -> Iterator[None]:
+    """Within this block (this thread or task only), :func:`check_schema` does not warn: for a caller that
+    has already checked, and warned about, the same request (``LLM.generate`` validates every request
+    before the engine's ``add_request`` validates it again). Errors are raised as always."""
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
+
 def check_schema(schema: dict[str, Any] | bool, strict: bool) -> list[str]:
     """Check ``schema`` before compiling it with outlines-core.
 
@@ -416,10 +434,11 @@ def check_schema(schema: dict[str, Any] | bool, strict: bool) -> list[str]:
         UnsupportedSchemaError: a miscompiled construct (always), or ignored keywords when ``strict``.
 
     Warns:
-        UserWarning: ignored keywords when not ``strict`` (one warning listing them all).
+        UserWarning: ignored keywords when not ``strict`` (one warning listing them all), except inside
+            :func:`quiet_schema_warnings`.
     """
     found = schema_findings(schema, strict)
-    if found:
+    if found and not _QUIET.get():
         warnings.warn(
             f"outlines-core does not enforce {len(found)} schema keyword(s); constrained output may violate "
             f"the schema: {'; '.join(found)}",

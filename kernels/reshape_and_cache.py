@@ -2,7 +2,9 @@
 
 Token ``t``'s key and value ``[num_kv_heads, head_dim]`` go to slot ``slot_mapping[t]`` (block id ×
 block size + offset in block) of ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads,
-head_dim]``; a slot of -1 is skipped. The reference is :func:`specdec.attention.reference.write_kv`.
+head_dim]``; a slot of -1 is skipped. The reference is :func:`write_kv` (pure torch, the engine's CPU
+path; it also writes int8 caches, quantized, see :mod:`kernels.kv_int8`), defined here beside the Triton
+kernel and re-exported by :mod:`specdec.attention.reference`.
 """
 
 from __future__ import annotations
@@ -12,10 +14,31 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels._triton import lazy_jit, next_power_of_2, use_triton
-from specdec.attention.reference import write_kv
+from kernels.kv_int8 import is_int8_cache, quantize_kv
 
 if TYPE_CHECKING:  # at run time lazy_jit binds `tl` when it first jits a kernel of this module
     import triton.language as tl
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]``; -1 is skipped.
+    An int8 cache stores them quantized (codes and scale per token and head)."""
+    num_kv_heads = key.shape[1]
+    flat_k = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])
+    flat_v = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    if is_int8_cache(k_cache):
+        key, value = quantize_kv(key), quantize_kv(value)
+    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
 
 def reshape_and_cache_ref(
@@ -25,7 +48,7 @@ def reshape_and_cache_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """The reference: :func:`specdec.attention.reference.write_kv`."""
+    """The reference: :func:`write_kv`."""
     write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 

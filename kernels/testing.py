@@ -1,4 +1,4 @@
-"""Random inputs for the kernel tests (``tests/kernels``) and the GPU script (:mod:`kernels.bench_gpu`).
+"""Random inputs for the kernel tests (``tests/kernels``) and the GPU script (:mod:`experiments.bench_gpu`).
 
 Inputs are random (never zeros) and generated on the CPU from a seed, then moved, so a CUDA run and an
 interpreter run see the same numbers. Cache slots that no request owns (block tails past a sequence's
@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.attention.base import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass
 class PagedBatch:
-    """A flattened batch over a paged KV cache (see :class:`~specdec.attention.base.AttentionMetadata`).
+    """A flattened batch over a paged KV cache (see :class:`~kernels.attention_metadata.AttentionMetadata`).
 
     ``key``/``value`` are the new tokens' K/V; they are in the cache already when the batch was made
     with ``write_new=True``, else their slots hold the poison.

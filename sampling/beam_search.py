@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grammars.errors import InvalidRequestError
 from sampling.params import coerce_scalars
-from specdec.errors import InvalidRequestError
 
 #: Accepted values of :attr:`BeamSearchParams.early_stopping` (as in transformers' ``GenerationConfig``).
 EARLY_STOPPING_MODES = (True, False, "never")

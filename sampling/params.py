@@ -6,14 +6,17 @@ transform's exact definition (and the order they run in) is in :mod:`sampling.pr
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import json
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from specdec.errors import InvalidRequestError
+from grammars.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from grammars.base import GrammarSpec
@@ -32,6 +35,70 @@ MAX_TOP_K = 2**31 - 1
 
 #: Largest ``n`` (samples of one prompt, each a request of its own).
 MAX_N = 4096
+
+
+#: Keyword arguments people bring from transformers, vLLM's older API or habit, and what to write instead.
+SAMPLING_PARAMS_ALIASES: dict[str, str] = {
+    "max_new_tokens": "use max_tokens=... (new tokens, the prompt excluded, as transformers' max_new_tokens)",
+    "max_length": "use max_tokens=... (it counts generated tokens only; transformers' max_length also "
+    "counts the prompt)",
+    "do_sample": "specdec has no do_sample: do_sample=False is temperature=0 (greedy), do_sample=True is a "
+    "temperature > 0 (the default is 1.0)",
+    "temp": "use temperature=...",
+    "num_return_sequences": "use n=... (independent samples per prompt)",
+    "num_beams": "beam search is its own call: llm.beam_search(prompts, BeamSearchParams(beam_width=..., "
+    "max_tokens=...)) (sampling.beam_search.BeamSearchParams)",
+    "eos_token_id": "use stop_token_ids=[...] (EOS itself always stops unless ignore_eos=True)",
+    "stop_sequences": "use stop=[...]",
+    "stop_strings": "use stop=[...]",
+    "top_logprobs": "use logprobs=N",
+    "guided_json": "use json_schema=...",
+    "guided_regex": "use regex=...",
+    "guided_choice": "use choice=[...]",
+}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def unknown_keyword_message(owner: str, name: str, valid: Iterable[str], aliases: Mapping[str, str]) -> str:
+    """The message for ``owner(name=...)`` when ``name`` is not a parameter: what to write instead, from
+    ``aliases``, else the closest valid names (``difflib``), else every valid name."""
+    message = f"{owner}() got an unexpected keyword argument {name!r}"
+    if name in aliases:
+        return f"{message}: {aliases[name]}"
+    valid = list(valid)
+    close = difflib.get_close_matches(name, valid, n=2, cutoff=0.6)
+    if close:
+        return f"{message}; did you mean {' or '.join(repr(c) for c in close)}?"
+    return f"{message}; its keyword arguments are {', '.join(valid)}"
+
+
+def suggest_keywords(owner: str, aliases: Mapping[str, str]) -> Callable[[_F], _F]:
+    """Decorate a function, or a class's ``__init__`` (a dataclass's too), so that an unknown keyword
+    argument raises a ``TypeError`` that says what to write instead (:func:`unknown_keyword_message`)
+    rather than Python's bare one. Everything else is the function's own behaviour."""
+
+    def decorate(obj: _F) -> _F:
+        func = obj.__init__ if isinstance(obj, type) else obj  # type: ignore[misc]
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        params = inspect.signature(func).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return obj  # takes any keyword
+        valid = frozenset(n for n, p in params.items() if p.kind in kinds and n != "self")
+
+        @functools.wraps(func)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            for name in kwargs:
+                if name not in valid:
+                    raise TypeError(unknown_keyword_message(owner, name, sorted(valid), aliases))
+            return func(*args, **kwargs)
+
+        if isinstance(obj, type):
+            obj.__init__ = checked  # type: ignore[misc]
+            return obj
+        return cast(_F, checked)
+
+    return decorate
 
 
 def coerce_scalars(obj: object, float_fields: Sequence[str], int_fields: Sequence[str]) -> None:
@@ -66,6 +133,7 @@ def _is_int(x: object) -> bool:
     return not isinstance(x, bool) and isinstance(x, int)
 
 
+@suggest_keywords("SamplingParams", SAMPLING_PARAMS_ALIASES)
 @dataclass
 class SamplingParams:
     """How one request draws its tokens.
@@ -101,7 +169,11 @@ class SamplingParams:
             uses a seed derived from ``(seed, i)``.
         json_schema: constrain the output to JSON valid under this schema (a dict or a JSON string;
             outlines-core's regex for it, with bounded whitespace). See :mod:`grammars`.
-        regex: constrain the output to a full match of this regular expression.
+        regex: constrain the output to a full match of this regular expression, in the syntax of Rust's
+            regex crate (what outlines-core compiles: ``\\p{L}`` and ``(?<name>...)`` work; look-around and
+            backreferences do not). A pattern that does not compile raises ``GrammarCompileError`` from
+            ``LLM.generate`` (a ``ValueError``) naming the position and the cause as Python's :mod:`re`
+            reports them (for a pattern only Rust's syntax rejects, the features it lacks).
         choice: constrain the output to exactly one of these strings.
         strict: with ``json_schema``, raise if the schema uses keywords the grammar cannot enforce
             (numeric bounds, ``uniqueItems``...) instead of warning; either way the final text is
@@ -109,6 +181,9 @@ class SamplingParams:
 
     Raises:
         InvalidRequestError (a ``ValueError``): at construction, naming the field and its allowed range.
+        TypeError: an unknown keyword argument, with what to write instead (``max_new_tokens`` ->
+            ``max_tokens``, ``do_sample=False`` -> ``temperature=0``...: :data:`SAMPLING_PARAMS_ALIASES`,
+            else the closest names).
     """
 
     temperature: float = 1.0

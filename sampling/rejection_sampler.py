@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from sampling.sampler import exponential_noise
+
+if TYPE_CHECKING:
+    from sampling.verifier import VerifyInput
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -56,15 +60,48 @@ class RejectionSampler:
     This keeps the output free of NaN and of zero-probability tokens and changes the output
     distribution only on an event of probability zero in exact arithmetic.
 
-    Execution: on CUDA the whole batch goes through one flattened op,
-    :func:`kernels.rejection_sample.rejection_sample` (a Triton kernel; its torch reference with
-    ``SPECDEC_FORCE_REFERENCE=1``), fed the random numbers drawn above in the same order, so the tokens
-    are those of the per-request definition (:meth:`_verify_greedy`, :meth:`_verify_random`), which
-    ``tests/kernels/test_rejection_sample.py`` checks exactly. On a CPU the per-request definition runs
-    (faster there at real vocabulary sizes: the flattened op needs the draft distributions copied into
-    one ``[num_drafts, vocab]`` tensor), as it does for a subclass that overrides :meth:`accept` or
-    :meth:`residual` (the tests' broken verifiers).
+    Execution, chosen by ``path``: ``"flat"`` sends the whole batch through one flattened op,
+    :func:`kernels.rejection_sample.rejection_sample` (a Triton kernel on CUDA; its torch reference with
+    ``SPECDEC_FORCE_REFERENCE=1`` or on a CPU), fed the random numbers drawn above in the same order, so the
+    tokens are those of the per-request definition (:meth:`_verify_greedy`, :meth:`_verify_random`), which
+    ``tests/kernels/test_rejection_sample.py`` checks exactly. ``"per_request"`` runs that definition
+    (faster on a CPU at real vocabulary sizes: the flattened op needs the draft distributions copied
+    into one ``[num_drafts, vocab]`` tensor). ``"auto"`` (default): flat on CUDA, per request elsewhere.
+    A subclass that overrides :meth:`accept` or :meth:`residual` (the tests' broken verifiers) must use
+    ``"per_request"``: the flat op does not call them.
+
+    Implements :class:`sampling.verifier.Verifier` for chains (:meth:`verify_batch`).
+
+    Raises:
+        ValueError: an unknown ``path``.
     """
+
+    def __init__(self, path: Literal["auto", "flat", "per_request"] = "auto") -> None:
+        if path not in ("auto", "flat", "per_request"):
+            raise ValueError(f"path must be 'auto', 'flat' or 'per_request', got {path!r}")
+        self.path = path
+
+    def verify_batch(
+        self,
+        target_probs: torch.Tensor,
+        batch: Sequence[VerifyInput],
+        default_generator: torch.Generator | None = None,
+    ) -> list[VerifyResult]:
+        """:class:`~sampling.verifier.Verifier` for chains: :meth:`verify` on the batch's fields.
+
+        Raises:
+            ValueError: a token tree in the batch, or rows that do not match the drafts.
+        """
+        if any(x.tree is not None for x in batch):
+            raise ValueError("RejectionSampler verifies chains; token trees go to a TreeVerifier")
+        return self.verify(
+            target_probs,
+            [x.draft_token_ids for x in batch],
+            [x.draft_probs for x in batch],
+            [x.greedy for x in batch],
+            [x.generator for x in batch],
+            default_generator,
+        )
 
     def verify(
         self,
@@ -94,11 +131,8 @@ class RejectionSampler:
         expected_rows = sum(len(d) + 1 for d in draft_token_ids)
         if target_probs.shape[0] != expected_rows:
             raise ValueError(f"target_probs has {target_probs.shape[0]} rows, drafts need {expected_rows}")
-        cls = type(self)
-        hooks_overridden = (
-            cls.accept is not RejectionSampler.accept or cls.residual is not RejectionSampler.residual
-        )
-        if target_probs.is_cuda and not hooks_overridden:
+        flat = self.path == "flat" or (self.path == "auto" and target_probs.is_cuda)
+        if flat:
             return self._verify_flat(
                 target_probs, draft_token_ids, draft_probs, greedy, generators, default_generator
             )

@@ -1,6 +1,6 @@
 """Exact verification of a token tree: multi-candidate speculative sampling, node by node.
 
-Verification walks down from the root (see :mod:`specdec.drafters.tree` for rows and nodes). At the
+Verification walks down from the root (see :mod:`sampling.token_tree` for rows and nodes). At the
 current node with target distribution ``target_probs[row]`` it tries the node's children in order:
 
 - **deterministic children** (``draft_probs`` None: the children are fixed functions of the draft, such
@@ -28,12 +28,17 @@ final token, in walk order, from the request's generator.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from sampling.rejection_sampler import RejectionSampler, VerifyResult
-from specdec.drafters.tree import TokenTree
+from sampling.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from sampling.verifier import VerifyInput
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -133,3 +138,34 @@ def verify_tree(
             return TreeVerifyResult([tokens[c] for c in accepted] + [final], len(accepted), accepted)
         accepted.append(nxt)
         node = nxt
+
+
+class TreeVerifier:
+    """:class:`~sampling.verifier.Verifier` for token trees: :func:`verify_tree` per request (a chain is
+    verified as the one-path tree it is, deterministic drafts only)."""
+
+    def verify_batch(
+        self,
+        target_probs: torch.Tensor,
+        batch: Sequence[VerifyInput],
+        default_generator: torch.Generator | None = None,
+    ) -> list[VerifyResult]:
+        """Raises:
+        ValueError: rows that do not match the trees, or a sampled chain (``draft_probs`` set).
+        """
+        results: list[VerifyResult] = []
+        start = 0
+        for x in batch:
+            tree = x.tree
+            if tree is None:
+                if x.draft_probs is not None:
+                    raise ValueError(
+                        "TreeVerifier verifies deterministic drafts; sampled chains need a RejectionSampler"
+                    )
+                tree = TokenTree.chain(x.draft_token_ids)
+            gen = x.generator if x.generator is not None else default_generator
+            results.append(verify_tree(target_probs[start : start + x.num_rows], tree, x.greedy, gen))
+            start += x.num_rows
+        if start != target_probs.shape[0]:
+            raise ValueError(f"target_probs has {target_probs.shape[0]} rows, drafts need {start}")
+        return results

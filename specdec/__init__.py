@@ -1,7 +1,10 @@
 """specdec: speculative and constrained decoding on a paged-KV engine, exact and measured.
 
-Public names are imported lazily, so ``import specdec.errors`` (used by ``sampling``) stays light and
-free of import cycles.
+Public names are imported lazily (PEP 562), at their first use: ``import specdec.errors``,
+``specdec.zoo`` or ``specdec.cli`` then loads neither torch nor the engine (importing them eagerly here
+would cost every such import about 2 s and a thousand modules). The lazy import no longer dodges a
+cycle: the packages are layered, ``kernels`` < ``grammars`` < ``sampling`` < ``specdec`` <
+``experiments``, and none imports one above it (``docs/layers.md``, ``tests/test_layers.py``).
 """
 
 from __future__ import annotations

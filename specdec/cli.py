@@ -1,8 +1,13 @@
 """Command line: ``python -m specdec generate --model smollm2-135m-instruct --prompt "..."``.
 
 Sub-commands:
-    generate   generate from a zoo model or HF directory, through the chat template by default.
+    generate   generate from a zoo model or HF directory, through the chat template by default;
+               ``--json-schema``/``--regex``/``--choice`` constrain the output.
     zoo        list the zoo and which models are already converted in the cache.
+
+The default dtype is float32, as for ``LLM()`` and ``python -m experiments.run``: in float32 greedy
+decoding equals transformers' token for token; bfloat16 is faster, but its rounding depends on the batch
+shape, which can change greedy tokens.
 """
 
 from __future__ import annotations
@@ -11,14 +16,64 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sampling.params import SamplingParams
+
+
+def _json_schema_arg(value: str) -> dict:
+    """``--json-schema``: a JSON string, or ``@FILE`` holding one (parsed here, so that a typo is an
+    argument error naming the flag)."""
+    text = value
+    if value.startswith("@"):
+        try:
+            text = Path(value[1:]).read_text()
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot read {value[1:]}: {e.strerror}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"a JSON schema is an object, got {type(schema).__name__}")
+    return schema
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The :class:`SamplingParams` of ``specdec generate``'s arguments (``--json-schema``, ``--regex``
+    and ``--choice`` map onto ``json_schema=``, ``regex=`` and ``choice=``; at most one may be given).
+
+    Raises:
+        InvalidRequestError: more than one constraint, or an invalid one.
+    """
+    from sampling.params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        json_schema=args.json_schema,
+        regex=args.regex,
+        choice=args.choice,
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from sampling.params import SamplingParams
     from specdec.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
-    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens)
+    spec: dict[str, object] | None = None
+    if args.drafter is not None:
+        spec = {"method": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
+        if args.draft_model is not None:
+            spec["model"] = args.draft_model
+        if args.tree is not None:
+            spec["tree"] = args.tree
+        if args.draft_quantization is not None:
+            spec["quantization"] = args.draft_quantization
+    params = sampling_params_from_args(args)  # before loading the model: a bad constraint fails fast
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, speculative_config=spec)
     prompts = args.prompt or ["Write a haiku about speculative decoding."]
     t0 = time.perf_counter()
     if args.raw:
@@ -58,23 +113,82 @@ def _zoo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``specdec`` argument parser (every option's ``--help`` shows its default)."""
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a model")
-    g.add_argument("--model", default="smollm2-135m-instruct", help="zoo name or HF-format directory")
+    g.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="zoo name or HF-format directory (default: %(default)s)",
+    )
     g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    g.add_argument("--device", default=None)
+    g.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens per prompt at most (default: %(default)s)"
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature, 0 = greedy (default: %(default)s)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights, activations and KV cache (default: %(default)s, like LLM(); greedy output then "
+        "equals transformers'; bfloat16 is faster but its rounding can change greedy tokens)",
+    )
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument(
+        "--json-schema",
+        type=_json_schema_arg,
+        default=None,
+        metavar="SCHEMA",
+        help="constrain the output to JSON valid under this schema: a JSON string or @FILE",
+    )
+    c.add_argument("--regex", default=None, help="constrain the output to a full match of this regex")
+    c.add_argument(
+        "--choice", action="append", default=None, help="constrain the output to one of these (repeat)"
+    )
+    from specdec.drafters.registry import drafter_names
+
+    g.add_argument(
+        "--drafter", choices=drafter_names(), default=None, help="speculative decoding method (default: none)"
+    )
+    g.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="k, drafts per step (default: %(default)s)"
+    )
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model (draft_model) or heads (medusa, eagle) (default: none)",
+    )
+    g.add_argument(
+        "--tree",
+        default=None,
+        choices=["static", "dynamic"],
+        help="token tree (medusa, eagle) (default: chain)",
+    )
+    g.add_argument(
+        "--draft-quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="quantized_self's draft weights (default: the drafter's own)",
+    )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)
     z = sub.add_parser("zoo", help="list zoo models")
     z.set_defaults(func=_zoo)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from specdec.errors import SpecdecError
 
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,7 +111,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 #: Largest ``num_speculative_tokens`` accepted (beyond this, acceptance of the last positions is ~0).
 MAX_SPECULATIVE_TOKENS = 16
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "quantized_self")
 TREE_KINDS = (None, "static", "dynamic")
 #: Largest token tree verified per request per step.
 MAX_TREE_NODES = 64
@@ -122,38 +121,48 @@ DEFAULT_TREE_CHOICES: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (0, 0), (2,), (3,), (0, 1), (4,), (5,),
     (1, 0), (0, 2), (6,), (7,), (0, 3), (8,), (2, 0), (0, 4),
 )  # fmt: skip
+#: Fields every drafter may set; the others belong to the drafters that declare them
+#: (``register_drafter(fields=...)``) and keep their defaults elsewhere.
+_COMMON_FIELDS = ("method", "num_speculative_tokens", "model", "draft_dtype", "tree", "drafter_kwargs")
 
 
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: which drafter proposes tokens, how many, and in what shape.
 
+    The built-in methods (each registered in its own file of :mod:`specdec.drafters`; a user's own
+    through :func:`specdec.drafters.register_drafter`): "ngram" (prompt lookup, Saxena 2023),
+    "draft_model" (a smaller model with the target's tokenizer; Leviathan et al. 2023, Chen et al. 2023),
+    "quantized_self" (the target's own weights quantized, see ``quantization``: a draft model that needs
+    no second checkpoint), "medusa" (Medusa-1 heads, Cai et al. 2024), "eagle" (an EAGLE head, Li et al.
+    2024).
+
     Attributes:
-        method: "ngram" (prompt lookup, Saxena 2023), "draft_model" (a smaller model with the
-            target's tokenizer; Leviathan et al. 2023, Chen et al. 2023), "medusa" (Medusa-1 heads, Cai
-            et al. 2024), "eagle" (an EAGLE head, Li et al. 2024) or "quantized_self" (the target's own
-            weights quantized, see ``quantization``; a draft model that needs no second checkpoint).
+        method: a registered drafter's name (:func:`specdec.drafters.drafter_names`).
         num_speculative_tokens: k, the most draft tokens per step of a chain, or the deepest level of a
             tree (1..16).
         prompt_lookup_max, prompt_lookup_min: n-gram sizes tried by "ngram", longest first.
         model: "draft_model": a zoo name or an HF-format directory; "medusa"/"eagle": a built-in head name
             (a folder of ``specdec/heads``) or a head checkpoint directory, None for the target's
-            built-in heads (``<target zoo name>-<method>``).
+            built-in heads (``<target zoo name>-<method>``). What it means for a drafter is its registry
+            entry's ``model`` kind.
         draft_dtype: dtype of the draft model or heads; None: the target's.
         quantization: "quantized_self" only: the drafter is the target's own weights quantized, ``"int4"``,
             ``"int8"`` or a dict of :class:`~specdec.quantization.config.QuantizationConfig` fields (e.g.
             ``{"method": "int4", "group_size": 32}``); it shares the target's tokenizer and embedding, has
             its own KV, and the full-precision target verifies its drafts as any draft model's.
         tree: None (a chain of k drafts), "static" (a Medusa tree from ``tree_choices``; medusa only) or
-            "dynamic" (EAGLE-2's tree; eagle only).
+            "dynamic" (EAGLE-2's tree; eagle only): the values the drafter's entry lists in ``trees``.
         tree_choices: the static tree's index paths (None: :data:`DEFAULT_TREE_CHOICES`); paths deeper than
             k are dropped.
         tree_topk: "dynamic": children drafted per expanded node, and nodes expanded per level.
         max_tree_nodes: "dynamic": draft tokens kept after reranking (the verified tree's size).
+        drafter_kwargs: keyword arguments passed to the drafter's constructor (user drafters).
 
     Raises:
-        ConfigError (a ValueError): unknown method, k outside 1..16, bad n-gram sizes, missing draft model,
-            a tree for a drafter that proposes chains, bad tree settings.
+        ConfigError (a ValueError): unknown method (the message names the registered ones), k outside
+            1..16, a method-specific field set for a drafter that does not read it, a missing or
+            unexpected model, a tree the drafter does not draft, or the drafter's own checks.
     """
 
     method: str = "ngram"
@@ -167,10 +176,12 @@ class SpeculativeConfig:
     tree_choices: list[list[int]] | None = None
     tree_topk: int = 4
     max_tree_nodes: int = 16
+    drafter_kwargs: dict | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        from specdec.drafters.registry import drafter_names, get_drafter
+
+        entry = get_drafter(self.method)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
@@ -178,65 +189,39 @@ class SpeculativeConfig:
             )
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
-        if self.method == "draft_model" and not self.model:
-            raise ConfigError("speculative method 'draft_model' needs model=<zoo name or directory>")
-        if self.method == "ngram" and self.model is not None:
-            raise ConfigError(f"speculative method {self.method!r} takes no model (got model={self.model!r})")
-        if self.tree not in TREE_KINDS:
-            raise ConfigError(f"tree must be one of {TREE_KINDS}, got {self.tree!r}")
-        if self.tree is not None and self.method not in ("medusa", "eagle"):
-            raise ConfigError(
-                f"tree={self.tree!r} needs method 'medusa' or 'eagle' ({self.method} drafts chains)"
-            )
-        if self.tree == "dynamic" and self.method != "eagle":
-            raise ConfigError("tree='dynamic' (EAGLE-2) needs method 'eagle'")
-        if self.tree == "static" and self.method != "medusa":
-            raise ConfigError(
-                "tree='static' (Medusa's tree) needs method 'medusa'; eagle uses tree='dynamic'"
-            )
         _check_int("tree_topk", self.tree_topk, 1)
         _check_int("max_tree_nodes", self.max_tree_nodes, 1)
         if self.max_tree_nodes > MAX_TREE_NODES:
             raise ConfigError(f"max_tree_nodes must be <= {MAX_TREE_NODES}, got {self.max_tree_nodes}")
-        if self.method == "quantized_self":
-            if self.model is not None:
-                raise ConfigError(
-                    "speculative method 'quantized_self' drafts with the target's own weights "
-                    f"(got model={self.model!r})"
-                )
-            if self.quantization is None:
-                raise ConfigError("speculative method 'quantized_self' needs quantization='int4' or 'int8'")
-        elif self.quantization is not None:
-            raise ConfigError(
-                f"quantization={self.quantization!r} applies to method 'quantized_self' only "
-                "(quantize the target itself with LLM(..., quantization=...))"
-            )
-        self.quantization_config()  # validates the scheme and group size
         if self.model is not None and not isinstance(self.model, str):
             raise ConfigError(f"model must be a name or a directory (str), got {self.model!r}")
-        if self.tree_choices is not None:
-            if self.tree != "static":
-                raise ConfigError("tree_choices need tree='static'")
-            from specdec.drafters.tree import StaticTree
-
-            paths = self.tree_choices
-            if (
-                isinstance(paths, (str, bytes))
-                or not isinstance(paths, (list, tuple))
-                or any(
-                    isinstance(c, (str, bytes))
-                    or not isinstance(c, (list, tuple))
-                    or any(isinstance(r, bool) or not isinstance(r, int) for r in c)
-                    for c in paths
+        if self.drafter_kwargs is not None and not isinstance(self.drafter_kwargs, dict):
+            raise ConfigError(f"drafter_kwargs must be a dict, got {self.drafter_kwargs!r}")
+        if self.tree not in TREE_KINDS:
+            raise ConfigError(f"tree must be one of {TREE_KINDS}, got {self.tree!r}")
+        if self.tree not in entry.trees:
+            takers = [n for n in drafter_names() if self.tree in get_drafter(n).trees]
+            shapes = " and ".join("chains" if t is None else f"{t} trees" for t in entry.trees)
+            raise ConfigError(
+                f"tree={self.tree!r} needs method {' or '.join(map(repr, takers))} "
+                f"({self.method} drafts {shapes})"
+            )
+        for name in fields(self):
+            if name.name in _COMMON_FIELDS or name.name in entry.fields:
+                continue
+            value = getattr(self, name.name)
+            if value != name.default:
+                takers = [n for n in drafter_names() if name.name in get_drafter(n).fields]
+                raise ConfigError(
+                    f"{name.name}={value!r} applies to method {' or '.join(map(repr, takers))} only "
+                    f"(method is {self.method!r})"
                 )
-            ):
-                raise ConfigError(f"tree_choices must be a list of lists of ints, got {paths!r}")
-            if len(paths) > MAX_TREE_NODES:
-                raise ConfigError(f"tree_choices has {len(paths)} nodes; at most {MAX_TREE_NODES}")
-            try:
-                StaticTree.from_choices(paths)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"tree_choices: {e}") from None
+        if entry.check_config is not None:
+            entry.check_config(self)
+        if entry.model == "model" and not self.model:
+            raise ConfigError(f"speculative method {self.method!r} needs model=<zoo name or directory>")
+        if entry.model == "none" and self.model is not None:
+            raise ConfigError(f"speculative method {self.method!r} takes no model (got model={self.model!r})")
 
     def quantization_config(self) -> QuantizationConfig | None:
         """The quantized self-drafter's :class:`~specdec.quantization.config.QuantizationConfig` (None for

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grammars.schema import quiet_schema_warnings
 from sampling.beam_search import BeamSearchParams
-from sampling.params import SamplingParams
+from sampling.params import SamplingParams, suggest_keywords
 from specdec.beam_search import BeamSearchOutput
 from specdec.beam_search import beam_search as run_beam_search
 from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_device, resolve_dtype
@@ -26,6 +27,26 @@ if TYPE_CHECKING:
     from grammars.base import GrammarBackend
 
 Prompt = str | dict[str, Any]
+
+#: ``LLM`` keyword arguments people bring from vLLM, transformers or habit, and what to write instead.
+LLM_ALIASES: dict[str, str] = {
+    "max_model_length": "use max_model_len=...",
+    "max_seq_len": "use max_model_len=...",
+    "max_length": "use max_model_len=... (the longest prompt + output)",
+    "torch_dtype": 'use dtype=... ("float32" or "bfloat16")',
+    "model_path": "use model=... (a zoo name or an HF-format directory)",
+    "model_name": "use model=... (a zoo name or an HF-format directory)",
+    "model_id": "use model=... (a zoo name or an HF-format directory)",
+    "trust_remote_code": "specdec never runs a model's own code: it loads safetensors weights into its "
+    "own decoders (Llama and Qwen2 families)",
+    "tensor_parallel_size": "specdec runs one model on one device",
+    "gpu_memory_utilization": "use kv_cache_memory_bytes=... (the KV pool's budget in bytes) or "
+    "num_kv_blocks=...",
+    "speculative_model": 'use speculative_config={"method": "draft_model", "model": ..., '
+    '"num_speculative_tokens": ...}',
+    "num_speculative_tokens": 'use speculative_config={"method": ..., "num_speculative_tokens": ...}',
+    "speculative_method": 'use speculative_config={"method": ...}',
+}
 
 
 class LLM:
@@ -61,8 +82,11 @@ class LLM:
     Raises:
         UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.
         ValueError: invalid configuration values.
+        TypeError: an unknown keyword argument, with what to write instead (``max_model_length`` ->
+            ``max_model_len``...: :data:`LLM_ALIASES`, else the closest names).
     """
 
+    @suggest_keywords("LLM", LLM_ALIASES)
     def __init__(
         self,
         model: str | Path,
@@ -82,6 +106,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
     ) -> None:
         from specdec.drafters.heads import default_heads_name, resolve_heads_dir
+        from specdec.drafters.registry import get_drafter
         from specdec.zoo import resolve_model
 
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -96,9 +121,10 @@ class LLM:
         self.model_dir = resolve_model(model)
         # Resolve (fetch) the draft model or heads before any loading, so a bad name fails first.
         draft_dir = None
-        if spec is not None and spec.method in ("medusa", "eagle"):
+        kind = get_drafter(spec.method).model if spec is not None else "none"
+        if spec is not None and kind == "heads":
             draft_dir = resolve_heads_dir(spec.model or default_heads_name(model, spec.method))
-        elif spec is not None and spec.model:
+        elif spec is not None and kind == "model" and spec.model:
             draft_dir = resolve_model(spec.model)
         self.tokenizer = None
         if not skip_tokenizer_init:
@@ -127,6 +153,12 @@ class LLM:
     # ------------------------------------------------------------------ inputs
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt and ("role" in prompt or "content" in prompt):
+                raise InvalidRequestError(
+                    "this prompt is a chat message ({'role': ..., 'content': ...}): use "
+                    "llm.chat(messages, sampling_params), which applies the model's chat template; "
+                    "generate takes strings or {'prompt_token_ids': [...]}"
+                )
             if "prompt_token_ids" not in prompt:
                 raise InvalidRequestError("a dict prompt needs the key 'prompt_token_ids'")
             ids = prompt["prompt_token_ids"]
@@ -139,6 +171,11 @@ class LLM:
             raise InvalidRequestError(
                 "a prompt is a str or {'prompt_token_ids': [...]}, got bytes: decode it first "
                 "(e.g. data.decode('utf-8', errors='replace'))"
+            )
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
+            raise InvalidRequestError(
+                "this prompt is a conversation (a list of {'role': ..., 'content': ...} messages): use "
+                "llm.chat(conversations, sampling_params), which applies the model's chat template"
             )
         if not isinstance(prompt, str):
             raise InvalidRequestError(
@@ -188,13 +225,17 @@ class LLM:
             assert backend is not None
             backend.compile(spec)
         added = []
-        for (text, ids), sp in zip(tokenized, params):
-            rid = str(next(self._ids))
-            if sp.n == 1:
-                added.append((text, [self.engine.add_request(rid, ids, sp)]))
-                continue
-            samples = [self.engine.add_request(f"{rid}-{i}", ids, sample_params(sp, i)) for i in range(sp.n)]
-            added.append((text, samples))
+        # Validated above, warnings included: add_request's own validation must not warn a second time.
+        with quiet_schema_warnings():
+            for (text, ids), sp in zip(tokenized, params):
+                rid = str(next(self._ids))
+                if sp.n == 1:
+                    added.append((text, [self.engine.add_request(rid, ids, sp)]))
+                    continue
+                samples = [
+                    self.engine.add_request(f"{rid}-{i}", ids, sample_params(sp, i)) for i in range(sp.n)
+                ]
+                added.append((text, samples))
         return added
 
     def _grammar_backend(self) -> GrammarBackend:
@@ -242,7 +283,8 @@ class LLM:
         )
 
     def _output(self, prompt: str | None, reqs: list[Request], delta: bool = False) -> RequestOutput:
-        """The prompt's output; its metrics are those of the first sample (``n`` > 1: see each)."""
+        """The prompt's output. With ``n`` > 1 each sample is an engine request of its own (ids
+        ``"<id>-0"``, ``"<id>-1"``, ...) and ``metrics`` are those of the first sample, ``outputs[0]``."""
         req = reqs[0]
         ids = req.output_token_ids
         s = req.stats
@@ -340,10 +382,39 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
+        """Generate replies to conversations: each is rendered with the tokenizer's chat template
+        (``tokenizer.apply_chat_template``, the Jinja template shipped in the model's
+        ``tokenizer_config.json``), tokenized, and generated from like a ``{"prompt_token_ids": [...]}``
+        prompt.
+
+        Instruction-tuned models, and draft heads trained on their chat data (``medusa``, ``eagle``),
+        expect this format: the same request given to :meth:`generate` as raw text is another prompt, and
+        the heads draft worse for it (SmolLM2 bfloat16, "Write a haiku about the sea.", 64 tokens: the
+        built-in EAGLE chain of 4 reaches τ 2.24 through ``chat``, 1.72 raw).
+
+        Args:
+            messages: one conversation, a list of ``{"role": str, "content": str}`` dicts in order
+                (roles as the template knows them: ``"system"``, ``"user"``, ``"assistant"``), or a list
+                of such conversations (one output each, batched together). Extra keys are passed to the
+                template.
+            sampling_params: one for all conversations, or one per conversation (default:
+                ``SamplingParams()``), as in :meth:`generate`.
+            add_generation_prompt: end the rendered prompt with the template's assistant header (e.g.
+                ``<|im_start|>assistant\\n``) so the model writes the assistant's reply; False renders the
+                messages only (to continue the last message, or to score a finished conversation).
+
+        Returns:
+            One :class:`~specdec.outputs.RequestOutput` per conversation, in order. Its ``prompt`` is
+            None and ``prompt_token_ids`` holds the rendered template's tokens (decode them to see the
+            text the model was given); ``outputs[i].text`` is the reply alone.
 
         Raises:
-            InvalidRequestError: no tokenizer, or it has no chat template.
+            InvalidRequestError: no tokenizer (``skip_tokenizer_init=True``) or one without a chat
+                template; ``messages`` not a list, an empty conversation, a message that is not a dict
+                with string ``role`` and ``content``, content that is not valid Unicode; and everything
+                :meth:`generate` raises (bad parameters, a prompt of ``max_model_len`` tokens or more...).
+            jinja2.TemplateError: the template itself refuses the conversation (some require
+                alternating user/assistant roles). Nothing is generated when anything raises.
         """
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("chat() needs a tokenizer with a chat template")

@@ -51,14 +51,21 @@ class RequestOutput:
     """The result for one prompt.
 
     Attributes:
-        request_id: the engine's id for the request.
-        prompt: the prompt string, if one was given.
+        request_id: the engine's id for the request. ``LLM`` numbers requests "0", "1", ... over its whole
+            life (ids count up across calls, so the second call's first prompt is not "0"); with ``n`` > 1
+            the samples are engine requests ``"<request_id>-0"``, ``"<request_id>-1"``, ...
+        prompt: the prompt string, if one was given (None for token ids and for ``LLM.chat``).
         prompt_token_ids: the prompt's token ids.
         outputs: the generated sequences (``SamplingParams.n`` of them).
         finished: whether generation has ended.
         metrics: per-request figures: ``num_prompt_tokens``, ``num_generated_tokens``,
             ``num_cached_prompt_tokens`` (prefix-cache hits), ``num_preemptions``,
-            ``time_to_first_token_s``, ``latency_s``, ``tokens_per_s``.
+            ``time_to_first_token_s``, ``latency_s``, ``tokens_per_s``; with speculation also the
+            request's acceptance counters and figures (:class:`specdec.metrics.SpecStats`: ``num_drafts``,
+            ``num_draft_tokens``, ``num_draft_nodes``, ``num_accepted_tokens``, ``accepted_per_position``,
+            ``drafted_per_position``, ``acceptance_rate``, ``acceptance_rate_per_position``,
+            ``mean_acceptance_length``). With ``n`` > 1 they are the first sample's (``outputs[0]``)
+            alone, not a sum or mean over the samples; ``llm.engine.spec_stats`` aggregates every sample.
     """
 
     request_id: str

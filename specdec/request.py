@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -89,8 +89,6 @@ class Request:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.stats = RequestStats()
         self.num_streamed_tokens = 0
-        #: Drafter-private state (n-gram index, draft-model KV progress); None after (re)admission.
-        self.drafter_state: Any = None
         #: Acceptance counters when speculative decoding is on.
         self.spec_stats: SpecStats | None = None
         #: Per generated token, its log-probabilities (``sampling_params.logprobs`` set), and their sum.

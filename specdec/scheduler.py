@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sampling.token_tree import TokenTree
 from specdec.config import SchedulerConfig
-from specdec.drafters.tree import TokenTree
 from specdec.kv_cache.manager import KVCacheManager
 from specdec.request import Request, RequestStatus
 
@@ -191,7 +191,6 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
-                req.drafter_state = None  # drafters rebuild their state from the committed tokens
                 if req.stats.first_scheduled_time is None:
                     req.stats.first_scheduled_time = time.perf_counter()
                 if not self.running or self.running[-1].arrival_index < req.arrival_index:

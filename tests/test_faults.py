@@ -183,7 +183,7 @@ def test_nan_written_into_the_kv_cache_does_not_reach_later_requests(tiny_text_m
         llm = make_llm(dirs, "plain", num_kv_blocks=24, enable_prefix_caching=False)
         engine = llm.engine
         if not scrub:
-            monkeypatch.setattr("specdec.engine._zero_blocks", lambda *a: None)
+            monkeypatch.setattr("specdec.engine.faults.zero_blocks", lambda *a: None)
 
         def poison(scheduled, logits):
             where = logits_rows(scheduled).get("victim")
@@ -318,9 +318,9 @@ def test_a_grammar_that_raises_while_committing_ends_its_request_only(tiny_text_
     bad = engine.add_request(
         "bad", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20, regex="[a-z]{1,30}")
     )
-    engine._admit_compiled(wait=True)
+    engine.admit_compiled(wait=True)
     while engine.compiling:
-        engine._admit_compiled(wait=True)
+        engine.admit_compiled(wait=True)
     assert bad.grammar is not None
     accept = bad.grammar.accept_token
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sampling.params import SamplingParams
 from specdec.config import SpeculativeConfig
+from specdec.drafters.base import DrafterContext
 from specdec.drafters.ngram import NgramDrafter
 from specdec.request import Request
 
@@ -15,7 +17,8 @@ def _request(tokens: list[int]) -> Request:
 
 
 def _drafter(n_max: int = 3, n_min: int = 1) -> NgramDrafter:
-    return NgramDrafter(SpeculativeConfig("ngram", 4, prompt_lookup_max=n_max, prompt_lookup_min=n_min))
+    config = SpeculativeConfig("ngram", 4, prompt_lookup_max=n_max, prompt_lookup_min=n_min)
+    return NgramDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
 
 
 def test_proposes_what_followed_the_most_recent_match():
@@ -51,7 +54,7 @@ def test_index_is_incremental(length):
     req = _request(tokens)
     drafter = _drafter(n_max=4, n_min=2)
     drafter.propose_one(req, 4)
-    index = req.drafter_state
+    index = drafter.states.peek(req)
     assert index.num_indexed == length - 1
     sizes = {n: len(t) for n, t in index.last_end.items()}
     req.token_ids.extend([3, 1, 4])

@@ -18,6 +18,8 @@ from experiments.plot import (
     find_runs,
     fit_alpha,
     main,
+    plot_acceptance_vs_temperature,
+    plot_drafters,
     run_alpha,
     varying_keys,
 )
@@ -201,9 +203,56 @@ def test_plot_cli_and_runs_without_speculation(tmp_path, capsys):
     root = write_runs(tmp_path / "plain", [make_summary("none", None), make_summary("none", None)])
     result = main([str(root), "--out", str(tmp_path / "figs"), "--formats", "png"])
     assert "2 runs" in capsys.readouterr().out
-    for name in FIGURES:  # every figure exists, saying there is nothing speculative to show
-        assert (tmp_path / "figs" / f"{name}.png").is_file()
+    for name in FIGURES:  # every figure with an axis exists, saying there is nothing speculative to show
+        drawn = name not in ("acceptance_vs_temperature", "drafters")  # no temperatures, no drafters
+        assert (tmp_path / "figs" / f"{name}.png").is_file() == drawn, name
         assert not (tmp_path / "figs" / f"{name}.svg").exists()
     assert result["figures"]["acceptance_per_position"]["values"] == {}
+    assert result["figures"]["drafters"]["skipped"] == "no speculative runs"
     with pytest.raises(FileNotFoundError, match=r"no summary\.json"):
         aggregate([tmp_path / "figs"])
+
+
+# ------------------------------------------------- figures drawn only when their axis varies (issue 24)
+def test_a_k_sweep_draws_no_temperature_or_drafter_figure(tmp_path):
+    # python -m experiments.run -m drafter.num_speculative_tokens=2,4: one drafter, one temperature
+    runs = find_runs([write_runs(tmp_path / "sweep", [make_summary("ngram", k) for k in (2, 4)])])
+    temps = plot_acceptance_vs_temperature(runs, tmp_path / "plots")
+    assert temps["files"] == [] and temps["skipped"] == "one temperature (0.0)"
+    assert temps["groups"]["ngram k=2"]["temperature"] == [0.0]  # the numbers are still reported
+    drafters = plot_drafters(runs, tmp_path / "plots")
+    assert drafters["files"] == [] and drafters["skipped"] == "one drafter (ngram)"
+    assert set(drafters["drafters"]) == {"ngram"}
+    assert not list((tmp_path / "plots").glob("acceptance_vs_temperature.*"))
+    assert not list((tmp_path / "plots").glob("drafters.*"))
+    result = aggregate([tmp_path / "sweep"])  # the aggregation writes the others only
+    out = Path(result["out_dir"])
+    assert (out / "tau_speedup_vs_k.png").is_file() and (out / "acceptance_per_position.png").is_file()
+    assert not (out / "acceptance_vs_temperature.png").exists() and not (out / "drafters.png").exists()
+
+
+def test_figures_are_drawn_when_temperature_or_drafter_varies(tmp_path):
+    runs = find_runs(
+        [
+            write_runs(
+                tmp_path / "sweep",
+                [make_summary("ngram", 4, temperature=t) for t in (0.0, 0.7)]
+                + [make_summary("draft_model", 4)],
+            )
+        ]
+    )
+    out = tmp_path / "plots"
+    temps = plot_acceptance_vs_temperature(runs, out)
+    assert "skipped" not in temps and all(Path(f).stat().st_size > 1000 for f in temps["files"])
+    assert sorted(Path(f).name for f in temps["files"]) == [
+        "acceptance_vs_temperature.png",
+        "acceptance_vs_temperature.svg",
+    ]
+    drafters = plot_drafters(runs, out)
+    assert "skipped" not in drafters and set(drafters["drafters"]) == {"ngram", "draft_model"}
+    assert sorted(Path(f).name for f in drafters["files"]) == ["drafters.png", "drafters.svg"]
+    # re-aggregating a narrower selection into the same directory removes the now-meaningless figures
+    one = find_runs([tmp_path / "sweep" / "2"])
+    assert plot_drafters(one, out)["files"] == [] and not (out / "drafters.png").exists()
+    assert plot_acceptance_vs_temperature(one, out)["files"] == []
+    assert not (out / "acceptance_vs_temperature.svg").exists()

@@ -226,7 +226,7 @@ def test_output_distribution_matches_target(dist_setup):
 @pytest.mark.parametrize("control", [AcceptEverything, RecoverFromTarget])
 def test_negative_controls_fail_the_same_test(dist_setup, control):
     llm = _dist_llm(dist_setup)
-    llm.engine.rejection_sampler = control()
+    llm.engine.verifier = control()
     counts = sample_counts(llm, NUM_CONTROL_CALLS, seed_base=9 * 10**6, temperatures=(1.0,))
     res = assert_differs(dist_setup["exact"][1.0], counts[1.0], label=f"control {control.__name__}, T=1.0")
     assert res.pvalue < ALPHA * 1e-3

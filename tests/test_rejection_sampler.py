@@ -323,12 +323,22 @@ def test_output_distribution_matches_target():
 
 
 class AcceptEverything(RejectionSampler):
+    """Negative control: accepts every draft (a Verifier through RejectionSampler's per-request path)."""
+
+    def __init__(self) -> None:
+        super().__init__(path="per_request")
+
     @staticmethod
     def accept(uniform: float, target_prob: float, draft_prob: float) -> bool:
         return True
 
 
 class RecoverFromTarget(RejectionSampler):
+    """Negative control: the recovered token comes from the target, not the residual."""
+
+    def __init__(self) -> None:
+        super().__init__(path="per_request")
+
     @staticmethod
     def residual(target_row: torch.Tensor, draft_row: torch.Tensor | None, draft_token: int) -> torch.Tensor:
         return target_row.clone()

@@ -13,7 +13,7 @@ draft for t2 and a bonus t3, or a chain of two drafts for t2, t3; a rejection at
 t3), and greedy requests, which must reproduce the exact argmax chain. The first token always comes from
 the prefill step; t2 and t3 come from verification.
 
-Negative controls installed as ``llm.engine.rejection_sampler`` (accept every draft; recovered token
+Negative controls installed as ``llm.engine.verifier`` (accept every draft; recovered token
 from the target instead of the residual) must fail the same test on the draft-model drafter at T = 1.
 
 Throughput (one CPU thread, 3 tokens per request, ~3 engine steps each): about 2,500 requests/s with the
@@ -161,7 +161,7 @@ def test_speculative_output_distribution_matches_target(setup, method):
 @pytest.mark.parametrize("control", [AcceptEverything, RecoverFromTarget])
 def test_negative_controls_fail_the_same_test(setup, control):
     llm = make_llm(setup, "draft_model")
-    llm.engine.rejection_sampler = control()
+    llm.engine.verifier = control()
     counts = sample_counts(llm, NUM_CONTROL_CALLS, seed_base=5 * 10**6, temperatures=(1.0,))
     res = assert_differs(setup["exact"][1.0], counts[1.0], label=f"control {control.__name__}, T=1.0")
     assert res.pvalue < ALPHA * 1e-3  # not a near miss: the test has ample power against this bias

@@ -7,7 +7,7 @@ import torch
 
 from sampling.params import SamplingParams
 from specdec import LLM
-from specdec.drafters.base import DraftInput, DraftProposal
+from specdec.drafters.base import DrafterBase, DraftInput, DraftProposal
 from specdec.kv_cache.manager import cdiv
 from specdec.request import Request
 
@@ -83,7 +83,7 @@ def test_everything_accepted_with_target_as_draft(spec_models):
     assert llm.engine.spec_stats.mean_acceptance_length > 4.0
 
 
-class _WrongDrafter:
+class _WrongDrafter(DrafterBase):
     """Proposes tokens the target never emits greedily: everything is rejected."""
 
     def __init__(self, banned: set[int]) -> None:
@@ -234,7 +234,7 @@ def test_kv_after_rejections_equals_a_run_that_never_drafted(spec_models):
     for r in reqs:
         for ref_llm, caches, n in (
             (plain, eng.runner.kv_caches, r.num_computed_tokens),
-            (plain_draft, eng.drafter.runner.kv_caches, r.drafter_state.num_computed),
+            (plain_draft, eng.drafter.runner.kv_caches, eng.drafter.states.get(r).num_computed),
         ):
             ref_eng = ref_llm.engine
             ref = ref_eng.add_request(

@@ -215,18 +215,14 @@ def test_sampler_stack_is_exact_under_speculation_in_one_mixed_batch(setup, meth
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
-def stale_row_group(engine):
+def stale_row_group(req, draft_token_ids, num_rows, vocab_size):
     """A broken engine: verification rows ignore the drafts before them (stale penalties)."""
-
-    def row_group(req, draft_token_ids, num_rows):
-        return RowGroup(req.sampling_params, req.token_ids, req.num_prompt_tokens, req.stop_ids, [], num_rows)
-
-    return row_group
+    return RowGroup(req.sampling_params, req.token_ids, req.num_prompt_tokens, req.stop_ids, [], num_rows)
 
 
-def test_negative_control_stale_prefix_along_the_draft_fails(setup):
+def test_negative_control_stale_prefix_along_the_draft_fails(setup, monkeypatch):
     llm = make_llm(setup, "draft_model")
-    llm.engine._row_group = stale_row_group(llm.engine)
+    monkeypatch.setattr("specdec.engine.verification.row_group", stale_row_group)
     configs = {"penalties": CONFIGS["penalties"]}
     counts = sample_counts_no_greedy(llm, configs)
     res = assert_differs(setup["exact"]["penalties"], counts["penalties"], label="stale prefix")

@@ -1,4 +1,4 @@
-"""The draft-head training pipeline (``experiments/train.py``): config, prompts and split, data cache,
+"""The draft-head training pipeline (``experiments/train/``): config, prompts and split, data cache,
 Medusa and EAGLE training on a tiny random target, checkpoints that reload to identical outputs."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 
 from sampling.params import SamplingParams
 from specdec import LLM
-from specdec.drafters.base import DraftInput, DraftProposal
+from specdec.drafters.base import DrafterBase, DraftInput, DraftProposal
 from specdec.request import Request
 
 VOCAB = 96
@@ -30,7 +30,7 @@ def target_dir(tmp_path_factory):
     return root
 
 
-class OracleTreeDrafter:
+class OracleTreeDrafter(DrafterBase):
     """Per level: ``width - 1`` wrong children (each with one wrong child), then the right token."""
 
     def __init__(self, truth: dict[tuple[int, ...], list[int]], width: int, accept_depth: int) -> None:
@@ -109,3 +109,61 @@ def test_tree_verification_matches_plain_greedy(target_dir, batch, width, accept
     assert max(i for i, n in enumerate(stats.accepted_per_position) if n) == accept_depth - 1
     assert stats.mean_acceptance_length > 1 + 0.6 * accept_depth
     assert engine.kv.num_free_blocks == engine.num_kv_blocks  # no slot or block leaked
+
+
+def test_tree_acceptance_is_per_step_and_depth(target_dir):
+    """Issue 24: a tree's acceptance rate counts its depth, not its nodes, as the drafted tokens (so
+    chains and trees compare); the nodes verified are ``num_draft_nodes``; ``print`` shows the figures."""
+    width, accept_depth = 3, 2  # 2 right levels, each after 2 wrong siblings with a child: depth 3
+    prompts = _prompts(2)
+    max_tokens = [15, 18]
+    base = _generate(LLM(target_dir, skip_tokenizer_init=True, block_size=4), prompts, max_tokens)
+    llm = LLM(
+        target_dir,
+        skip_tokenizer_init=True,
+        block_size=4,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    engine = llm.engine
+    engine.drafter = OracleTreeDrafter(
+        {tuple(p): o.token_ids for p, o in zip(prompts, base)}, width, accept_depth
+    )
+    engine.num_draft_slots = engine.scheduler.num_draft_slots = 4 * (2 * (width - 1) + 1)
+    verified: list[tuple[int, int]] = []  # (nodes, depth) of each tree verified (after fitting)
+
+    def record(scheduled, logits):
+        for x in scheduled:
+            if x.sample and x.draft_token_ids:
+                tree = x.draft_tree
+                verified.append(
+                    (len(x.draft_token_ids), len(x.draft_token_ids) if tree is None else tree.max_depth)
+                )
+
+    engine.fault_injector = record
+    got = _generate(llm, prompts, max_tokens)
+    engine.fault_injector = None
+    assert [g.token_ids for g in got] == [b.token_ids for b in base]
+
+    s = engine.spec_stats
+    assert s.num_drafts == len(verified) > 0
+    assert s.num_draft_nodes == sum(n for n, _ in verified)
+    assert s.num_draft_tokens == sum(d for _, d in verified)  # depths, not nodes
+    assert s.num_draft_tokens < s.num_draft_nodes
+    assert s.acceptance_rate == pytest.approx(s.num_accepted_tokens / s.num_draft_tokens)
+    assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / s.num_drafts)
+    # The right token is offered at depths 1 and 2 (and always accepted there, greedy); depth 3 holds
+    # only wrong grandchildren.
+    rates = s.acceptance_rate_per_position
+    assert rates[0] == 1.0 and rates[2] == 0.0 and rates[3] is None
+    assert s.drafted_per_position[0] == s.num_drafts
+    assert all(a <= d for a, d in zip(s.accepted_per_position, s.drafted_per_position))
+    # Per request: the same definitions.
+    per_request = [o.metrics for o in llm.generate([{"prompt_token_ids": prompts[0]}], _params(8))]
+    assert per_request[0]["num_draft_nodes"] >= per_request[0]["num_draft_tokens"] > 0
+    text = str(s)
+    assert f"acceptance_rate={round(s.acceptance_rate, 4)}" in text
+    assert f"mean_acceptance_length={round(s.mean_acceptance_length, 4)}" in text
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import sampling.tree_rejection_sampler as trs
+from sampling.token_tree import TokenTree
 from sampling.tree_rejection_sampler import verify_tree
-from specdec.drafters.tree import StaticTree, TokenTree, choices_from_accuracies, select_top_nodes
+from specdec.drafters.tree import StaticTree, choices_from_accuracies, select_top_nodes
 from tests.stats import assert_differs, assert_matches, counts_of
 
 V = 6

@@ -9,6 +9,9 @@ An int8 KV cache (``kv_cache_dtype="int8"``, layout in :mod:`specdec.quantizatio
 quantized on write at the slot mapping and dequantized on read. Every query then reads its keys and
 values back from the cache, its own chunk's included, so the result does not depend on how a prompt was
 split into chunks (with a cache in the model dtype the fresh K/V of a first chunk equal the cached ones).
+
+The K/V write, :func:`write_kv`, is the reference of :mod:`kernels.reshape_and_cache` and is defined
+there (re-exported here).
 """
 
 from __future__ import annotations
@@ -19,32 +22,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.attention.base import AttentionMetadata
-from specdec.quantization.kv_cache import dequantize_kv, is_int8_cache, quantize_kv
+from kernels.attention_metadata import AttentionMetadata
+from kernels.kv_int8 import dequantize_kv, is_int8_cache
+from kernels.reshape_and_cache import write_kv
+
+__all__ = ["BATCHED_QUERY_MAX", "ReferenceAttention", "write_kv"]
 
 #: Requests with at most this many new tokens share one padded, batched SDPA call.
 BATCHED_QUERY_MAX = 32
-
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]``; -1 is skipped.
-    An int8 cache stores them quantized (codes and scale per token and head)."""
-    num_kv_heads = key.shape[1]
-    flat_k = k_cache.view(-1, num_kv_heads, k_cache.shape[-1])
-    flat_v = v_cache.view(-1, num_kv_heads, v_cache.shape[-1])
-    if bool((slot_mapping < 0).any()):
-        keep = slot_mapping >= 0
-        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    if is_int8_cache(k_cache):
-        key, value = quantize_kv(key), quantize_kv(value)
-    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
 
 def _read(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,13 +1,33 @@
-"""The drafter plug-in point."""
+"""The drafter plug-in point: the :class:`Drafter` Protocol, what it sees and what it returns.
+
+A drafter is registered by name (:func:`specdec.drafters.registry.register_drafter`) and built once per
+engine from a :class:`DrafterContext`. Each step the engine calls :meth:`Drafter.propose` with one
+:class:`DraftInput` per scheduled request and verifies the returned :class:`DraftProposal` exactly
+(Leviathan et al. 2023; Chen et al. 2023; SpecInfer for trees), so a drafter can only change speed,
+never the output distribution. Proposals are untrusted input: the engine checks them
+(:func:`specdec.engine.proposals.check_proposal`) and drops, for that request and step, any that cannot
+be verified.
+
+Per-request state (an n-gram index, a draft model's KV progress, features not yet consumed) lives with
+the drafter, typed, keyed by request id (:class:`RequestStates`); the engine calls :meth:`Drafter.reset`
+when a request is preempted (its KV is gone: state is rebuilt from the committed tokens on re-admission)
+and when it finishes.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from specdec.request import Request
+
+if TYPE_CHECKING:
+    from specdec.config import SpeculativeConfig
+    from specdec.models.decoder import DecoderLM
 
 
 @dataclass
@@ -36,12 +56,12 @@ class DraftProposal:
 
     Attributes:
         token_ids: up to ``max_drafts`` proposed tokens continuing ``request.token_ids`` (a chain), or the
-            nodes of a token tree (see ``parents``).
+            nodes of a token tree (see ``parents``); each in ``[0, vocab_size)``.
         draft_probs: ``[len(token_ids), vocab_size]`` float32, the distribution each token was drawn
-            from (the verifier divides by exactly these), or None for a deterministic drafter. Trees
-            are deterministic (their children are top-k candidates): None.
+            from (the verifier divides by exactly these; each row sums to 1), or None for a deterministic
+            drafter. Trees are deterministic (their children are top-k candidates): None.
         parents: None for a chain; for a token tree, each node's parent (-1 = the last committed token),
-            in topological order (see :class:`specdec.drafters.tree.TokenTree`). The engine keeps at most
+            in topological order (see :class:`sampling.token_tree.TokenTree`). The engine keeps at most
             ``max_tree_nodes`` nodes of depth at most ``max_drafts``.
     """
 
@@ -50,8 +70,42 @@ class DraftProposal:
     parents: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class DrafterContext:
+    """What a drafter is built from (one per engine).
+
+    Attributes:
+        target: the loaded target model (dense weights: packing happens after drafters are built).
+        config: the validated speculative config (``config.drafter_kwargs`` are passed separately).
+        model_dir: the resolved draft model or heads directory, or None (see the registry entry's
+            ``model`` kind).
+        dtype: the drafter's dtype (``config.draft_dtype`` or the target's).
+        device: where the target runs.
+        generator: the engine's generator, for requests without a seed.
+    """
+
+    target: DecoderLM
+    config: SpeculativeConfig
+    model_dir: Path | None
+    dtype: torch.dtype
+    device: torch.device
+    generator: torch.Generator
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.cfg.vocab_size
+
+
+@runtime_checkable
 class Drafter(Protocol):
-    """Proposes draft tokens for running requests (``specdec/drafters/<method>.py``)."""
+    """Proposes draft tokens for running requests (one class per file in ``specdec/drafters/``).
+
+    ``uses_hidden_states``: the drafter reads the target's final-norm features (Medusa, EAGLE): every
+    target forward then returns them and :meth:`observe` receives those of the committed tokens.
+    Subclass :class:`DrafterBase` for no-op defaults of everything but :meth:`propose`.
+    """
+
+    uses_hidden_states: bool
 
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
         """One proposal per input, in order (empty where ``max_drafts`` is 0)."""
@@ -61,15 +115,76 @@ class Drafter(Protocol):
         """Called after verification, before the request's next step (to roll back drafter state)."""
         ...
 
-
-class HiddenStateDrafter(Drafter, Protocol):
-    """A drafter that reads the target's features (Medusa, EAGLE): the engine computes the final-norm
-    hidden states of every row and hands over those of the committed tokens after each forward."""
-
-    uses_hidden_states: bool
-
     def observe(self, request: Request, start_position: int, hidden_states: torch.Tensor) -> None:
         """``hidden_states`` ``[n, hidden_size]``: the target's features at positions ``start_position ...
         start_position + n - 1`` of the request (committed tokens computed this step: a prefill chunk,
-        or the root and the accepted drafts of a verification), in order."""
+        or the root and the accepted drafts of a verification), in order. Called only when
+        ``uses_hidden_states``."""
         ...
+
+    def reset(self, request: Request) -> None:
+        """Forget the request's state (it was preempted, or it finished)."""
+        ...
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of the drafter's own KV per block of ``block_size`` tokens (0: none); the engine sizes
+        the KV pool from the target's and this figure."""
+        ...
+
+    def bind_kv(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the drafter's own KV for the engine's pool geometry (called once, after sizing)."""
+        ...
+
+
+class DrafterBase:
+    """No-op defaults of the :class:`Drafter` hooks; a subclass implements :meth:`propose`."""
+
+    uses_hidden_states: bool = False
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        raise NotImplementedError
+
+    def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        return None
+
+    def observe(self, request: Request, start_position: int, hidden_states: torch.Tensor) -> None:
+        return None
+
+    def reset(self, request: Request) -> None:
+        return None
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def bind_kv(self, num_blocks: int, block_size: int) -> None:
+        return None
+
+
+S = TypeVar("S")
+
+
+class RequestStates(Generic[S]):
+    """Typed per-request drafter state, keyed by request id; :meth:`get` creates it on first use."""
+
+    def __init__(self, factory: Callable[[], S]) -> None:
+        self._factory = factory
+        self._states: dict[str, S] = {}
+
+    def get(self, request: Request) -> S:
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = self._states[request.request_id] = self._factory()
+        return state
+
+    def peek(self, request: Request) -> S | None:
+        """The request's state, or None when it has none yet."""
+        return self._states.get(request.request_id)
+
+    def set(self, request: Request, state: S) -> None:
+        self._states[request.request_id] = state
+
+    def reset(self, request: Request) -> None:
+        self._states.pop(request.request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._states)

@@ -4,24 +4,30 @@
 The draft model has its own KV cache tensors but shares the target's block tables and slot mapping:
 a token's draft K/V lives in the same slot as its target K/V, so allocation, prefix caching, rollback
 and preemption of the target apply to the draft cache too. Per request the drafter tracks how many
-committed tokens have valid draft KV (``drafter_state``); each step it first catches up on the committed
-tokens it has not seen (prompt chunks, the last verified tokens), then drafts. After verification the
-KV of accepted drafts stays valid; the rest is simply overwritten later.
+committed tokens have valid draft KV (its typed per-request state); each step it first catches up on
+the committed tokens it has not seen (prompt chunks, the last verified tokens), then drafts. After
+verification the KV of accepted drafts stays valid; the rest is simply overwritten later.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from sampling.processors import RowGroup, build_sampling_metadata, process_logits
 from sampling.sampler import sample_from_probs
-from specdec.drafters.base import DraftInput, DraftProposal
-from specdec.errors import InvalidRequestError
+from specdec.config import SpeculativeConfig
+from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
+from specdec.drafters.registry import register_drafter
+from specdec.errors import ConfigError, InvalidRequestError
 from specdec.model_runner import ModelRunner, Segment, build_inputs
+from specdec.models.config import ModelArchConfig
 from specdec.models.decoder import DecoderLM
+from specdec.models.loader import load_model
+from specdec.quantization.apply import quantized_copy
 from specdec.request import Request
 from specdec.structured import grammar_complete
 
@@ -34,42 +40,68 @@ class _DraftKV:
     num_computed: int = 0  # committed tokens whose draft K/V is in the draft cache
 
 
-class DraftModelDrafter:
-    """Proposes with a draft model on the target's block tables.
+def check_draft_vocabulary(
+    target: ModelArchConfig, config: SpeculativeConfig, model_dir: Path | None
+) -> None:
+    """Compare the vocabulary sizes in the configs of target and draft, before any weights load.
+
+    Raises:
+        InvalidRequestError: they differ.
+    """
+    assert model_dir is not None, "the registry resolves the draft model's directory"
+    draft = ModelArchConfig.from_pretrained(model_dir).vocab_size
+    if draft != target.vocab_size:
+        raise InvalidRequestError(
+            f"the draft model's vocabulary ({draft} tokens) differs from the target's ({target.vocab_size}); "
+            "draft and target must share a tokenizer"
+        )
+
+
+@register_drafter("draft_model", model="model", check_target=check_draft_vocabulary)
+class DraftModelDrafter(DrafterBase):
+    """A smaller model with the target's tokenizer (Leviathan et al. 2023; Chen et al. 2023), on the
+    target's block tables.
 
     Args:
-        model: the draft model (same vocabulary as the target).
-        target_vocab_size: the target's vocabulary size.
-        num_blocks, block_size: the target's KV pool geometry.
-        generator: for unseeded sampled requests.
+        ctx: ``ctx.model_dir`` the draft model's directory (loaded in ``ctx.dtype``), ``ctx.generator``
+            for unseeded sampled requests.
+        model: an already built draft model (the quantized self-drafter, tests); None loads
+            ``ctx.model_dir``.
+
+    Its own KV (the draft model's K/V tensors) is allocated by :meth:`bind_kv`.
 
     Raises:
         InvalidRequestError: the vocabularies differ.
     """
 
-    def __init__(
-        self,
-        model: DecoderLM,
-        target_vocab_size: int,
-        num_blocks: int,
-        block_size: int,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        if model.cfg.vocab_size != target_vocab_size:
+    def __init__(self, ctx: DrafterContext, model: DecoderLM | None = None) -> None:
+        if model is None:
+            assert ctx.model_dir is not None, "the registry resolves the draft model's directory"
+            model = load_model(ctx.model_dir, dtype=ctx.dtype, device=ctx.device)
+        if model.cfg.vocab_size != ctx.vocab_size:
             raise InvalidRequestError(
                 f"the draft model's vocabulary ({model.cfg.vocab_size} tokens) differs from the target's "
-                f"({target_vocab_size}); draft and target must share a tokenizer"
+                f"({ctx.vocab_size}); draft and target must share a tokenizer"
             )
-        self.runner = ModelRunner(model, num_blocks, block_size)
-        self.vocab_size = target_vocab_size
-        self.block_size = block_size
-        self.generator = generator
+        self.model = model
+        self.runner: ModelRunner | None = None
+        self.vocab_size = ctx.vocab_size
+        self.block_size = 0
+        self.generator = ctx.generator
+        self.states: RequestStates[_DraftKV] = RequestStates(_DraftKV)
 
-    @staticmethod
-    def _state(request: Request) -> _DraftKV:
-        if not isinstance(request.drafter_state, _DraftKV):
-            request.drafter_state = _DraftKV()
-        return request.drafter_state
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return ModelRunner.kv_bytes_per_block(self.model, block_size, next(self.model.parameters()).dtype)
+
+    def bind_kv(self, num_blocks: int, block_size: int) -> None:
+        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.block_size = block_size
+
+    def reset(self, request: Request) -> None:
+        self.states.reset(request)
+
+    def _state(self, request: Request) -> _DraftKV:
+        return self.states.get(request)
 
     def _draw(
         self,
@@ -120,7 +152,9 @@ class DraftModelDrafter:
                 drafting.append(i)
         if not segments:
             return proposals
-        logits = self.runner.execute(build_inputs(segments, self.block_size, self.runner.device))
+        assert self.runner is not None, "bind_kv allocates the draft model's KV"
+        runner = self.runner
+        logits = runner.execute(build_inputs(segments, self.block_size, runner.device))
         probs_rows: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
         # Constrained requests: the grammar is advanced through the drafts to mask each draft row,
         # then rolled back (only verification advances it for good).
@@ -149,7 +183,7 @@ class DraftModelDrafter:
                 for i in drafting:
                     req, drafts = batch[i].request, proposals[i].token_ids
                     segments.append(Segment(req.block_ids, req.num_tokens + len(drafts) - 1, drafts[-1:], 1))
-                logits = self.runner.execute(build_inputs(segments, self.block_size, self.runner.device))
+                logits = runner.execute(build_inputs(segments, self.block_size, runner.device))
         finally:
             for i, n in advanced.items():
                 grammar = batch[i].request.grammar
@@ -195,3 +229,63 @@ class DraftModelDrafter:
         """Accepted drafts that were fed to the draft model keep their KV (the last draft never was)."""
         state = self._state(request)
         state.num_computed += min(num_accepted, max(num_drafts - 1, 0))
+
+
+# ------------------------------------------------------------------ the quantized self-drafter
+def check_quantized_self(config: SpeculativeConfig) -> None:
+    """``quantization`` is required and valid; no ``model`` (the drafter is the target's own weights).
+
+    Raises:
+        ConfigError: otherwise.
+    """
+    if config.model is not None:
+        raise ConfigError(
+            "speculative method 'quantized_self' drafts with the target's own weights "
+            f"(got model={config.model!r})"
+        )
+    if config.quantization is None:
+        raise ConfigError("speculative method 'quantized_self' needs quantization='int4' or 'int8'")
+    config.quantization_config()  # validates the scheme and group size
+
+
+def check_quantized_self_target(
+    target: ModelArchConfig, config: SpeculativeConfig, model_dir: Path | None
+) -> None:
+    """The self-drafter's int4 group size must divide the target's layer input sizes.
+
+    Raises:
+        ConfigError: it does not.
+    """
+    quantization = config.quantization_config()
+    assert quantization is not None
+    quantization.check_model(target)
+
+
+@register_drafter(
+    "quantized_self",
+    fields=("quantization",),
+    check_config=check_quantized_self,
+    check_target=check_quantized_self_target,
+)
+def quantized_self(ctx: DrafterContext) -> DraftModelDrafter:
+    """The target's own weights, quantized to int8 or int4, as its draft model.
+
+    No second checkpoint and no training: the draft model is
+    :func:`~specdec.quantization.apply.quantized_copy` of the target (dense, or itself quantized: then its
+    dequantized weights are re-quantized; not modified), sharing its tokenizer (the same vocabulary by
+    construction), embedding table, norms and RoPE buffer, with its own linear layers quantized (see
+    :mod:`specdec.quantization`). It runs as any draft model does, through :class:`DraftModelDrafter`:
+    its own KV tensors (in its activation dtype ``ctx.dtype``, not int8) on the target's block tables,
+    greedy or sampled drafts, and exact verification by the full-precision target (Leviathan et al. 2023;
+    Chen et al. 2023), so the output distribution is the target's whatever the quantization error.
+
+    Why it can pay: a decode step is bound by the bytes it reads. In bfloat16 an int4 copy reads about a
+    quarter of the target's linear-layer bytes (int8: about half), and, being the same network, it agrees
+    with the target far more often than a smaller model does. Its own KV costs as much as the target's.
+
+    Raises:
+        ConfigError: the int4 group size does not divide one of the target's layer input sizes.
+    """
+    quantization = ctx.config.quantization_config()
+    assert quantization is not None
+    return DraftModelDrafter(ctx, quantized_copy(ctx.target, quantization, ctx.dtype))

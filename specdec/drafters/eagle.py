@@ -37,13 +37,12 @@ import torch.nn.functional as F
 
 from specdec.attention.base import AttentionMetadata
 from specdec.attention.reference import ReferenceAttention
-from specdec.config import SpeculativeConfig
-from specdec.drafters.base import DraftInput, DraftProposal
-from specdec.drafters.heads import EagleHead
+from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
+from specdec.drafters.heads import EagleHead, load_heads
+from specdec.drafters.registry import register_drafter
 from specdec.drafters.tree import select_top_nodes
 from specdec.errors import ConfigError
 from specdec.model_runner import Segment, build_inputs
-from specdec.models.decoder import DecoderLM
 from specdec.request import Request
 
 
@@ -91,57 +90,71 @@ class _DenseTreeAttention:
         return o.transpose(0, 1)
 
 
-class EagleDrafter:
-    """Proposes with an EAGLE head.
+@register_drafter("eagle", model="heads", trees=(None, "dynamic"), fields=("tree_topk", "max_tree_nodes"))
+class EagleDrafter(DrafterBase):
+    """EAGLE (Li et al. 2024): one decoder layer in the target's feature space; chain or EAGLE-2 tree.
 
     Args:
-        target: the target model (its embedding and LM head are shared with the head).
-        head: a trained :class:`EagleHead`.
-        config: ``num_speculative_tokens`` (chain length / tree depth), ``tree`` None or "dynamic",
-            ``tree_topk``, ``max_tree_nodes``.
-        num_blocks, block_size: the target's KV pool geometry.
+        ctx: ``ctx.target`` (its embedding and LM head are shared with the head); ``ctx.model_dir`` the
+            head's directory; ``ctx.config``: ``num_speculative_tokens`` (chain length / tree depth),
+            ``tree`` None or "dynamic", ``tree_topk``, ``max_tree_nodes``.
+        head: an already loaded :class:`EagleHead` (tests); None loads it from ``ctx.model_dir``.
+
+    Its own KV (the head's K/V on the target's block tables) is allocated by :meth:`bind_kv`.
 
     Raises:
         ConfigError: ``tree_topk`` larger than the vocabulary.
+        CorruptModelError, InvalidRequestError: see :func:`specdec.drafters.heads.load_heads`.
     """
 
     uses_hidden_states = True
 
-    def __init__(
-        self, target: DecoderLM, head: EagleHead, config: SpeculativeConfig, num_blocks: int, block_size: int
-    ) -> None:
+    def __init__(self, ctx: DrafterContext, head: EagleHead | None = None) -> None:
+        target, config = ctx.target, ctx.config
         if config.tree == "dynamic" and config.tree_topk > target.cfg.vocab_size:
             raise ConfigError(
                 f"tree_topk={config.tree_topk} exceeds the vocabulary ({target.cfg.vocab_size} tokens)"
             )
+        if head is None:
+            assert ctx.model_dir is not None, "the registry resolves the head's directory"
+            loaded, _ = load_heads(str(ctx.model_dir), target.cfg, "eagle", ctx.dtype, ctx.device)
+            assert isinstance(loaded, EagleHead)
+            head = loaded
         self.target = target
         self.head = head
         self.config = config
-        self.block_size = block_size
         self.attention = ReferenceAttention()
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
-        arch = head.arch
+        self.block_size = 0
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.states: dict[str, _EagleState] = {}
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        arch = self.head.arch
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+    def bind_kv(self, num_blocks: int, block_size: int) -> None:
+        arch = self.head.arch
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.block_size = block_size
         self.kv_cache = (
             torch.zeros(shape, dtype=self.dtype, device=self.device),
             torch.zeros(shape, dtype=self.dtype, device=self.device),
         )
 
-    @staticmethod
-    def kv_bytes_per_block(head: EagleHead, block_size: int, dtype: torch.dtype) -> int:
-        arch = head.arch
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
-
     # ------------------------------------------------------------------ state
     def observe(self, request: Request, start_position: int, hidden_states: torch.Tensor) -> None:
-        state = request.drafter_state
-        if not isinstance(state, _EagleState) or start_position != state.features_end:
+        state = self.states.get(request.request_id)
+        if state is None or start_position != state.features_end:
             # A fresh (or re-admitted) request: positions before the first feature are taken as computed
             # (prefix-cached blocks keep the head K/V written when they were filled).
-            state = request.drafter_state = _EagleState(start_position, start_position)
+            state = self.states[request.request_id] = _EagleState(start_position, start_position)
         state.features.append(hidden_states.detach().to(self.dtype))
+
+    def reset(self, request: Request) -> None:
+        self.states.pop(request.request_id, None)
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Nothing to roll back: speculative head K/V is overwritten by the next catch-up."""
@@ -155,6 +168,7 @@ class EagleDrafter:
         features at each segment's logits rows."""
         inputs = build_inputs(segments, self.block_size, self.device)
         embeds = self.target.embed_tokens(inputs.input_ids).to(self.dtype)
+        assert self.kv_cache is not None, "bind_kv allocates the head's KV"
         out = self.head(embeds, features, inputs.positions, self.kv_cache, inputs.metadata, self.attention)
         return out[inputs.logits_indices]
 
@@ -166,8 +180,8 @@ class EagleDrafter:
         segments: list[Segment] = []
         feats: list[torch.Tensor] = []
         for i, x in enumerate(batch):
-            req, state = x.request, x.request.drafter_state
-            if x.max_drafts <= 0 or not isinstance(state, _EagleState):
+            req, state = x.request, self.states.get(x.request.request_id)
+            if x.max_drafts <= 0 or state is None:
                 continue
             last = req.num_tokens - 2  # last position with a known target feature
             if state.features_end != last + 1:
@@ -217,6 +231,7 @@ class EagleDrafter:
         budget = max(1, min(cfg.max_tree_nodes, x.max_tree_nodes))
         context = req.num_tokens - 1  # head positions 0 .. L-2
         blocks = torch.tensor(req.block_ids[: -(-context // self.block_size)], device=self.device)
+        assert self.kv_cache is not None, "bind_kv allocates the head's KV"
         k_cache, v_cache = self.kv_cache
         attn = _DenseTreeAttention(
             k_cache[blocks].flatten(0, 1)[:context], v_cache[blocks].flatten(0, 1)[:context]

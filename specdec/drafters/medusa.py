@@ -13,31 +13,75 @@ from __future__ import annotations
 
 import torch
 
-from specdec.config import SpeculativeConfig
-from specdec.drafters.base import DraftInput, DraftProposal
-from specdec.drafters.heads import MedusaHeads
+from specdec.config import MAX_TREE_NODES, SpeculativeConfig
+from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
+from specdec.drafters.heads import MedusaHeads, load_heads
+from specdec.drafters.registry import register_drafter
 from specdec.drafters.tree import StaticTree
 from specdec.errors import ConfigError
-from specdec.models.decoder import DecoderLM
 from specdec.request import Request
 
 
-class MedusaDrafter:
-    """Proposes from Medusa heads.
+def check_medusa_config(config: SpeculativeConfig) -> None:
+    """``tree_choices`` need ``tree="static"`` and must be a valid static tree of at most 64 nodes.
+
+    Raises:
+        ConfigError: otherwise.
+    """
+    paths = config.tree_choices
+    if paths is None:
+        return
+    if config.tree != "static":
+        raise ConfigError("tree_choices need tree='static'")
+    if (
+        isinstance(paths, (str, bytes))
+        or not isinstance(paths, (list, tuple))
+        or any(
+            isinstance(c, (str, bytes))
+            or not isinstance(c, (list, tuple))
+            or any(isinstance(r, bool) or not isinstance(r, int) for r in c)
+            for c in paths
+        )
+    ):
+        raise ConfigError(f"tree_choices must be a list of lists of ints, got {paths!r}")
+    if len(paths) > MAX_TREE_NODES:
+        raise ConfigError(f"tree_choices has {len(paths)} nodes; at most {MAX_TREE_NODES}")
+    try:
+        StaticTree.from_choices(paths)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"tree_choices: {e}") from None
+
+
+@register_drafter(
+    "medusa",
+    model="heads",
+    trees=(None, "static"),
+    fields=("tree_choices",),
+    check_config=check_medusa_config,
+)
+class MedusaDrafter(DrafterBase):
+    """Medusa-1 heads (Cai et al. 2024) on the target's last feature: a chain or a static tree.
 
     Args:
-        target: the target model (its LM head turns head outputs into logits).
-        heads: trained :class:`MedusaHeads`.
-        config: ``num_speculative_tokens`` (chain length / deepest level, at most the number of heads),
-            ``tree`` None or "static", ``tree_choices``.
+        ctx: ``ctx.target`` (its LM head turns head outputs into logits); ``ctx.model_dir`` the heads'
+            directory; ``ctx.config``: ``num_speculative_tokens`` (chain length / deepest level, at most
+            the number of heads), ``tree`` None or "static", ``tree_choices``.
+        heads: already loaded heads (tests); None loads them from ``ctx.model_dir``.
 
     Raises:
         ConfigError: k larger than the number of heads, or a tree rank beyond the vocabulary.
+        CorruptModelError, InvalidRequestError: see :func:`specdec.drafters.heads.load_heads`.
     """
 
     uses_hidden_states = True
 
-    def __init__(self, target: DecoderLM, heads: MedusaHeads, config: SpeculativeConfig) -> None:
+    def __init__(self, ctx: DrafterContext, heads: MedusaHeads | None = None) -> None:
+        target, config = ctx.target, ctx.config
+        if heads is None:
+            assert ctx.model_dir is not None, "the registry resolves the heads' directory"
+            loaded, _ = load_heads(str(ctx.model_dir), target.cfg, "medusa", ctx.dtype, ctx.device)
+            assert isinstance(loaded, MedusaHeads)
+            heads = loaded
         if config.num_speculative_tokens > heads.num_heads:
             raise ConfigError(
                 f"num_speculative_tokens={config.num_speculative_tokens} but the checkpoint has only "
@@ -54,20 +98,24 @@ class MedusaDrafter:
                 f"{vocab_size} tokens"
             )
 
+        #: request id -> the feature of its last committed token ``[hidden_size]``.
+        self.last_feature: dict[str, torch.Tensor] = {}
+
     def observe(self, request: Request, start_position: int, hidden_states: torch.Tensor) -> None:
-        request.drafter_state = hidden_states[-1].detach()
+        self.last_feature[request.request_id] = hidden_states[-1].detach()
+
+    def reset(self, request: Request) -> None:
+        self.last_feature.pop(request.request_id, None)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
         proposals = [DraftProposal([]) for _ in batch]
         drafting = [
-            i
-            for i, x in enumerate(batch)
-            if x.max_drafts > 0 and isinstance(x.request.drafter_state, torch.Tensor)
+            i for i, x in enumerate(batch) if x.max_drafts > 0 and x.request.request_id in self.last_feature
         ]
         if not drafting:
             return proposals
-        features = torch.stack([batch[i].request.drafter_state for i in drafting])  # [B, H]
+        features = torch.stack([self.last_feature[batch[i].request.request_id] for i in drafting])  # [B, H]
         depth = min(self.config.num_speculative_tokens, max(batch[i].max_drafts for i in drafting))
         hidden = self.heads(features.to(next(self.heads.parameters()).dtype))[:, :depth]  # [B, depth, H]
         logits = self.target.lm_head(hidden.to(self.target.dtype))  # [B, depth, V]

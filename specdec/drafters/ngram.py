@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.config import SpeculativeConfig
-from specdec.drafters.base import DraftInput, DraftProposal
+from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
+from specdec.drafters.registry import register_drafter
 from specdec.request import Request
 
 
@@ -27,17 +27,27 @@ class _NgramIndex:
     num_indexed: int = 0
 
 
-class NgramDrafter:
-    """Deterministic drafter: ``draft_probs`` is None (one-hot)."""
+@register_drafter("ngram", fields=("prompt_lookup_max", "prompt_lookup_min"))
+class NgramDrafter(DrafterBase):
+    """Prompt lookup (Saxena 2023): deterministic drafts copied from the context (``draft_probs`` None).
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.n_max = config.prompt_lookup_max
-        self.n_min = config.prompt_lookup_min
+    Args:
+        ctx: its ``config`` gives ``prompt_lookup_max`` / ``prompt_lookup_min``, the n-gram sizes tried,
+            longest first.
+    """
+
+    def __init__(self, ctx: DrafterContext) -> None:
+        self.n_max = ctx.config.prompt_lookup_max
+        self.n_min = ctx.config.prompt_lookup_min
+        self.states: RequestStates[_NgramIndex] = RequestStates(
+            lambda: _NgramIndex({n: {} for n in range(self.n_min, self.n_max + 1)})
+        )
+
+    def reset(self, request: Request) -> None:
+        self.states.reset(request)
 
     def _index(self, request: Request) -> _NgramIndex:
-        index = request.drafter_state
-        if not isinstance(index, _NgramIndex):
-            index = request.drafter_state = _NgramIndex({n: {} for n in range(self.n_min, self.n_max + 1)})
+        index = self.states.get(request)
         tokens = request.token_ids
         # Index n-grams ending at positions num_indexed+1 .. len-1 (exclusive ends), i.e. not the suffix.
         for end in range(index.num_indexed + 1, len(tokens)):

@@ -11,7 +11,9 @@ Quantization is symmetric round to nearest per (token, head): ``scale = max |x| 
 round(x / scale)``, so every element is within ``scale / 2`` of the original (KIVI, Liu et al. 2024,
 and KVQuant, Hooper et al. 2024, quantize keys per channel for lower error at 2-4 bits; at 8 bits
 per-token scales lose little, see ``tests/test_quantized_quality.py``). The attention reference quantizes
-on write (at the slot mapping) and dequantizes on read; see :mod:`specdec.attention.reference`.
+on write (at the slot mapping) and dequantizes on read; see :mod:`specdec.attention.reference`. The
+per-row functions (:func:`quantize_kv`, :func:`dequantize_kv`, :func:`is_int8_cache`) are defined in
+:mod:`kernels.kv_int8`, beside the reference K/V write that uses them, and re-exported here.
 
 Bytes per token: ``layers × 2 × kv_heads × head_dim × element size`` (auto), ``layers × 2 × kv_heads ×
 (head_dim + 4)`` (int8): for SmolLM2 (30 layers, 3 KV heads of 64) 46,080 bytes in float32, 23,040 in
@@ -24,16 +26,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.kv_int8 import SCALE_BYTES, dequantize_kv, is_int8_cache, quantize_kv
 from specdec.errors import ConfigError
 
 if TYPE_CHECKING:
     from specdec.models.config import ModelArchConfig
 
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "SCALE_BYTES",
+    "allocate_kv_caches",
+    "check_kv_cache_dtype",
+    "dequantize_kv",
+    "is_int8_cache",
+    "kv_bytes_per_token",
+    "kv_cache_shape",
+    "kv_storage_dtype",
+    "quantize_kv",
+]
+
 #: ``kv_cache_dtype`` values: the model's dtype, or int8 codes with a float32 scale per token and head.
 KV_CACHE_DTYPES = ("auto", "int8")
-#: Bytes of the per-(token, head) scale of the int8 layout (float32).
-SCALE_BYTES = 4
-_QMAX = 127
 
 
 def check_kv_cache_dtype(kv_cache_dtype: object) -> None:
@@ -93,24 +106,3 @@ def kv_bytes_per_token(cfg: ModelArchConfig, dtype: torch.dtype, kv_cache_dtype:
     else:
         per_head = cfg.head_dim * torch.empty((), dtype=dtype).element_size()
     return cfg.num_layers * 2 * cfg.num_kv_heads * per_head
-
-
-def is_int8_cache(cache: torch.Tensor) -> bool:
-    """Whether a cache tensor uses the int8 layout."""
-    return cache.dtype == torch.int8
-
-
-def quantize_kv(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., head_dim]`` (any float dtype) -> ``[..., head_dim + 4]`` int8 rows: codes, then the
-    float32 scale's bytes."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / _QMAX  # [..., 1]
-    codes = torch.round(xf / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-_QMAX, _QMAX)
-    return torch.cat([codes.to(torch.int8), scale.contiguous().view(torch.int8)], dim=-1)
-
-
-def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize_kv`: ``[..., head_dim + 4]`` int8 -> ``[..., head_dim]`` in ``dtype``."""
-    head_dim = rows.shape[-1] - SCALE_BYTES
-    scale = rows[..., head_dim:].contiguous().view(torch.float32)  # [..., 1]
-    return (rows[..., :head_dim].float() * scale).to(dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kernels.bench_gpu import main
+from experiments.bench_gpu import main
 
 
 def test_smoke_run(tmp_path, capsys):

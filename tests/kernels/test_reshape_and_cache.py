@@ -1,4 +1,4 @@
-"""reshape_and_cache against :func:`specdec.attention.reference.write_kv`: exact equality (a copy).
+"""reshape_and_cache against :func:`kernels.reshape_and_cache.write_kv`: exact equality (a copy).
 
 Caches start as NaN everywhere, so a slot written that should not be, or one left unwritten, shows;
 slots of -1 are skipped; key/value are strided views of a fused QKV tensor, as the model passes them.

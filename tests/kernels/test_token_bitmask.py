@@ -1,4 +1,4 @@
-"""apply_token_bitmask kernel against :func:`grammars.bitmask.apply_token_bitmask_torch`: exact.
+"""apply_token_bitmask kernel against :func:`kernels.token_bitmask.apply_token_bitmask_torch`: exact.
 
 Vocabularies that are multiples of neither 32 nor the kernel's block, rows with every token masked but
 one (the first, the last, and one whose word has the sign bit), all-allowed and random rows, padding
@@ -10,8 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grammars.bitmask import apply_token_bitmask, apply_token_bitmask_torch, bitmask_width, pack_bitmask
-from kernels.token_bitmask import BLOCK_V, apply_token_bitmask_inplace, apply_token_bitmask_inplace_triton
+from grammars.bitmask import apply_token_bitmask, pack_bitmask
+from kernels.token_bitmask import (
+    BLOCK_V,
+    apply_token_bitmask_inplace,
+    apply_token_bitmask_inplace_triton,
+    apply_token_bitmask_torch,
+    bitmask_width,
+)
 
 
 def _allowed(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:

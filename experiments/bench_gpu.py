@@ -1,7 +1,7 @@
 """The prepared GPU check of the kernels (issue 7), in one call.
 
-    python -m kernels.bench_gpu --out $OUT/bench_gpu.json    # a CUDA machine: a few minutes
-    python -m kernels.bench_gpu --smoke                      # tiny sizes; on a CPU via Triton's interpreter
+    python -m experiments.bench_gpu --out $OUT/bench_gpu.json  # a CUDA machine: a few minutes
+    python -m experiments.bench_gpu --smoke  # tiny sizes; on a CPU via Triton's interpreter
 
 1. Ceilings: device-to-device copy bandwidth (bytes read + written per second) and the bf16 matrix
    product rate (8192³).
@@ -18,6 +18,10 @@
 
 A short table is printed last; ``--out`` also writes every figure as JSON. Exit status 1 when a
 correctness check fails. Needs torch and triton only (no transformers, no weights).
+
+It lives in ``experiments`` (it was ``kernels/bench_gpu.py``) because section 4 runs the engine's
+``ModelRunner`` and attention backends from ``specdec``, which ``kernels`` may not import (see
+``docs/layers.md``).
 """
 
 from __future__ import annotations
@@ -133,12 +137,12 @@ def ceilings(report: Report, device: torch.device, smoke: bool) -> tuple[float, 
 
 # ------------------------------------------------------------------------------------------ 2. correctness
 def check_kernels(report: Report, device: torch.device, smoke: bool) -> None:
-    from grammars.bitmask import apply_token_bitmask_torch, pack_bitmask
+    from grammars.bitmask import pack_bitmask
     from kernels.paged_attention import pack_new_token_masks, paged_attention_ref, paged_attention_triton
     from kernels.rejection_sample import rejection_sample_ref, rejection_sample_triton
     from kernels.reshape_and_cache import reshape_and_cache_ref, reshape_and_cache_triton
     from kernels.testing import make_paged_batch, make_rejection_batch, random_tree_mask
-    from kernels.token_bitmask import apply_token_bitmask_inplace_triton
+    from kernels.token_bitmask import apply_token_bitmask_inplace_triton, apply_token_bitmask_torch
     from specdec.attention.reference import ReferenceAttention
     from specdec.attention.triton_backend import TritonAttention
 

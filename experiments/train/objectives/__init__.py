@@ -1,0 +1,1 @@
+"""The training objectives, one per head type: :mod:`.medusa` and :mod:`.eagle`."""

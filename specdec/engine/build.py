@@ -1,0 +1,109 @@
+"""Building an engine's parts: the target, the drafter (from the registry), the KV pool's size, packing.
+
+Order matters and is fixed here: checks that need only configs run before any weights load (the
+drafter's ``check_target``), the drafter is built from the target's dense weights (the quantized
+self-drafter copies them), the pool is sized from the target's and the drafter's own KV bytes per
+block, and only then are the bfloat16 linears packed for oneDNN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
+from specdec.drafters.base import Drafter, DrafterContext
+from specdec.drafters.registry import build_drafter, get_drafter
+from specdec.kv_cache.manager import cdiv
+from specdec.model_runner import ModelRunner
+from specdec.models.config import ModelArchConfig
+from specdec.models.decoder import DecoderLM
+from specdec.models.loader import load_model
+from specdec.models.packed_linear import PackedLinear, pack_linears
+from specdec.quantization.config import QuantizationConfig
+
+
+@dataclass
+class EngineParts:
+    """What :func:`build_engine_parts` returns.
+
+    Attributes:
+        model: the target (linears packed where that pays); None for an engine on a fake runner.
+        model_cfg: the target's architecture (vocabulary, EOS ids, maximum positions).
+        drafter: the drafter with its KV bound, or None without speculation.
+        max_model_len: longest sequence, capped at the model's maximum.
+        num_kv_blocks: blocks in the pool (the target's and the drafter's KV share its geometry).
+        runner: the target's model runner over the pool (anything with ``prepare``, ``execute``,
+            ``execute_with_hidden``, ``copy_slots``, ``kv_caches``: see ``tests/engine/fake_runner.py``).
+        generator: the engine's generator (requests without a seed).
+    """
+
+    model: DecoderLM | None
+    model_cfg: ModelArchConfig
+    drafter: Drafter | None
+    max_model_len: int
+    num_kv_blocks: int
+    runner: ModelRunner
+    generator: torch.Generator
+
+
+def build_engine_parts(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    seed: int,
+    model: DecoderLM | None,
+    speculative_config: SpeculativeConfig | None,
+    draft_model_dir: str | Path | None,
+    quantization: QuantizationConfig | None,
+) -> EngineParts:
+    """Load (or take) the target, build the drafter, size the KV pool and pack the linears.
+
+    Raises:
+        Whatever the drafter's ``check_target`` raises, before any weights load (e.g.
+        ``InvalidRequestError`` for a draft model of another vocabulary); the loader's errors
+        (``CorruptModelError``, ...); the drafter's construction errors; ``ConfigError`` for a drafter
+        that breaks the Protocol.
+    """
+    spec = speculative_config
+    model_dir_of_drafter = Path(draft_model_dir) if draft_model_dir is not None else None
+    if spec is not None:
+        check_target = get_drafter(spec.method).check_target
+        if check_target is not None:
+            arch = model.cfg if model is not None else ModelArchConfig.from_pretrained(model_dir)
+            check_target(arch, spec, model_dir_of_drafter)
+    if model is None:
+        model = load_model(model_dir, dtype=dtype, device=device, quantization=quantization)
+    cfg = model.cfg
+    max_model_len = min(
+        scheduler_config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+    )
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    drafter = None
+    if spec is not None:
+        draft_dtype = resolve_dtype(spec.draft_dtype or dtype)
+        ctx = DrafterContext(model, spec, model_dir_of_drafter, draft_dtype, device, generator)
+        drafter = build_drafter(ctx)
+    bs = cache_config.block_size
+    num_blocks = cache_config.num_kv_blocks
+    if num_blocks is None:
+        per_block = ModelRunner.kv_bytes_per_block(model, bs, dtype, cache_config.kv_cache_dtype)
+        if drafter is not None:
+            per_block += drafter.kv_bytes_per_block(bs)
+        wanted = scheduler_config.max_num_seqs * cdiv(max_model_len, bs)
+        num_blocks = max(1, min(wanted, cache_config.kv_cache_memory_bytes // per_block))
+    if drafter is not None:
+        drafter.bind_kv(num_blocks, bs)
+    runner = ModelRunner(model, num_blocks, bs, kv_cache_dtype=cache_config.kv_cache_dtype)
+    # bfloat16 on the CPU: weights pre-packed for oneDNN (faster decode, identical outputs). Last, so
+    # that drafters built from the target's weights (quantized_self) read them in their dense form.
+    packed: dict[int, PackedLinear] = {}  # modules a draft model shares with the target pack once
+    pack_linears(model, packed)
+    draft_model = getattr(drafter, "model", None)
+    if isinstance(draft_model, DecoderLM):
+        pack_linears(draft_model, packed)
+    return EngineParts(model, cfg, drafter, max_model_len, num_blocks, runner, generator)

@@ -1,0 +1,345 @@
+"""The engine: requests in, one scheduler step and one forward per :meth:`LLMEngine.step`, tokens out.
+
+One step reads top to bottom in :meth:`LLMEngine._step`: admit → schedule → propose → forward →
+process and verify → commit. Each stage lives in its own module of this package (``admission``,
+``proposals``, ``verification``, ``commit``; building in ``build``, fault isolation in ``faults``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from sampling.params import SamplingParams
+from sampling.verifier import SpeculativeVerifier, Verifier
+from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from specdec.drafters.base import Drafter
+from specdec.engine import faults
+from specdec.engine.admission import GrammarAdmission, validate_request
+from specdec.engine.build import EngineParts, build_engine_parts
+from specdec.engine.commit import append_token, commit_all
+from specdec.engine.proposals import propose_drafts
+from specdec.engine.verification import emitted_logprobs, process_rows, sample_or_verify
+from specdec.errors import InvalidRequestError
+from specdec.kv_cache.manager import KVCacheManager
+from specdec.metrics import SpecStats
+from specdec.models.decoder import DecoderLM
+from specdec.quantization.config import QuantizationConfig
+from specdec.request import Request, RequestStatus
+from specdec.scheduler import ScheduledRequest, Scheduler
+
+if TYPE_CHECKING:
+    from grammars.base import GrammarBackend
+
+logger = logging.getLogger("specdec.engine")
+
+#: Test seam, see :attr:`LLMEngine.fault_injector`.
+FaultInjector = Callable[[list[ScheduledRequest], torch.Tensor], None]
+
+
+class LLMEngine:
+    """Owns the model, the KV cache, the scheduler, the drafter, the verifier and the requests.
+
+    Args:
+        model_dir: an HF-format model directory.
+        dtype: torch dtype of weights, activations and KV.
+        device: where the model runs.
+        cache_config, scheduler_config: see :mod:`specdec.config`.
+        seed: seed of the generator used by unseeded sampled requests.
+        model: an already built target (tests); None loads ``model_dir``.
+        speculative_config: the drafter and k, or None for plain decoding.
+        draft_model_dir: the resolved draft model or heads directory (the drafter's registry entry says
+            which it takes).
+        quantization: weight-only quantization of the target (see :mod:`specdec.quantization`); None: none.
+            ``cache_config.kv_cache_dtype`` sets the target's KV cache dtype.
+
+    Raises:
+        InvalidRequestError: the draft model's vocabulary differs from the target's (checked from the
+            configs, before any weights are loaded), and the other checks of the drafter's entry.
+
+    Faults: a fault that concerns one request ends that request alone (see :mod:`specdec.engine.faults`
+    for the list); errors that cannot be pinned on one request (the target forward) propagate from
+    :meth:`step`.
+
+    Test seam: :attr:`fault_injector`, when set, is called after every target forward with the step's
+    scheduled requests and the logits ``[R, vocab_size]`` (float32, writable in place under
+    ``torch.inference_mode``; rows per request from :func:`~specdec.engine.verification.logits_rows`),
+    e.g. to write NaN into one request's rows. It costs one attribute test per step when unset.
+    """
+
+    #: See "Test seam" above; None in normal use.
+    fault_injector: FaultInjector | None = None
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        seed: int = 0,
+        model: DecoderLM | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        draft_model_dir: str | Path | None = None,
+        quantization: QuantizationConfig | None = None,
+    ) -> None:
+        parts = build_engine_parts(
+            model_dir,
+            dtype,
+            device,
+            cache_config,
+            scheduler_config,
+            seed,
+            model,
+            speculative_config,
+            draft_model_dir,
+            quantization,
+        )
+        self._init_from_parts(parts, cache_config, scheduler_config, speculative_config)
+
+    @classmethod
+    def from_parts(
+        cls,
+        parts: EngineParts,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> LLMEngine:
+        """An engine over parts built elsewhere: a fake model runner and a drafter passed in (the engine
+        tests), or parts shared with another engine. ``speculative_config`` sets k and the draft slots
+        (``parts.drafter`` is used as it is)."""
+        engine = cls.__new__(cls)
+        engine._init_from_parts(parts, cache_config, scheduler_config, speculative_config)
+        return engine
+
+    def _init_from_parts(
+        self,
+        parts: EngineParts,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        spec: SpeculativeConfig | None,
+    ) -> None:
+        self.model = parts.model
+        self.model_cfg = parts.model_cfg
+        self.spec_config = spec
+        self.max_model_len = parts.max_model_len
+        self.num_kv_blocks = parts.num_kv_blocks
+        self.runner = parts.runner
+        self.generator = parts.generator
+        #: The drafter (None: plain decoding); assignable, e.g. to a test's own drafter.
+        self.drafter: Drafter | None = parts.drafter
+        #: Verifies drafts (chains and trees); assignable, e.g. to a negative control.
+        self.verifier: Verifier = SpeculativeVerifier()
+        self.kv = KVCacheManager(
+            parts.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        #: KV slots a drafting request reserves per step (k for chains, the tree size for trees).
+        self.num_draft_slots = spec.num_draft_slots if spec else 0
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv, self.max_model_len, self.num_speculative_tokens, self.num_draft_slots
+        )
+        self.spec_stats: SpecStats | None = None
+        self.reset_spec_stats()
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        #: Token ids -> text, for stop strings (set by ``LLM`` from its tokenizer).
+        self.detokenize: Callable[[list[int]], str] | None = None
+        #: Compiles grammar specs (set by ``LLM`` from its tokenizer); None: constrained decoding is off.
+        self.grammar_backend: GrammarBackend | None = None
+        self.admission = GrammarAdmission()
+        # ``step`` holds the lock: an abort from another thread waits for the step to end, one from inside
+        # the step (a drafter, the fault injector) is applied when it ends.
+        self._step_lock = threading.RLock()
+        self._in_step = False
+        self._deferred_aborts: list[str] = []
+        self._num_faults = 0
+
+    def reset_spec_stats(self) -> None:
+        """Zero the aggregate acceptance counters (None when speculation is off)."""
+        k = self.num_speculative_tokens
+        self.spec_stats = SpecStats(k) if k else None
+
+    @property
+    def compiling(self) -> dict:
+        """Constrained requests whose grammar is still compiling (admitted by ``step`` when ready)."""
+        return self.admission.compiling
+
+    @property
+    def num_failed_requests(self) -> int:
+        """Requests ended by a fault (``finish_reason`` "error") since the engine was built."""
+        return self._num_faults + self.admission.num_failed
+
+    # ---------------------------------------------------------------- requests
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Check one request before any work (see :func:`~specdec.engine.admission.validate_request`)."""
+        validate_request(
+            prompt_token_ids,
+            params,
+            vocab_size=self.model_cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.kv.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            num_draft_slots=self.num_draft_slots,
+            has_tokenizer=self.detokenize is not None,
+            has_grammar_backend=self.grammar_backend is not None,
+        )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and queue one request (see :meth:`validate` for the errors raised). From another
+        thread it waits for a running step to end."""
+        with self._step_lock:
+            self.validate(prompt_token_ids, params)
+            if params.n != 1:
+                raise InvalidRequestError(
+                    "the engine takes one sequence per request; LLM.generate expands n > 1"
+                )
+            if request_id in self.scheduler.requests or request_id in self.compiling:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            req = Request(
+                request_id, [int(t) for t in prompt_token_ids], params, 0, self.model_cfg.eos_token_ids
+            )
+            if self.num_speculative_tokens:
+                req.spec_stats = SpecStats(self.num_speculative_tokens)
+            if params.grammar_spec is not None and self.grammar_backend is not None:
+                # Compiled off the engine thread; the request joins the scheduler once its grammar is ready.
+                self.admission.submit(req, self.grammar_backend)
+                self.admit_compiled()
+            else:
+                self._admit(req)
+            return req
+
+    def _admit(self, req: Request) -> None:
+        # Priority is the order of entry into the scheduler (see specdec.scheduler).
+        req.arrival_index = next(self._arrivals)
+        self.scheduler.add_request(req)
+
+    def admit_compiled(self, wait: bool = False) -> None:
+        """Hand requests whose grammar finished compiling to the scheduler (``wait``: block for one)."""
+        self.admission.admit_ready(self._admit, wait)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free everything it holds; unknown or finished ids are ignored.
+
+        Safe at any time: between steps it takes effect at once; from inside a step (a drafter, the
+        fault injector) it takes effect when the step ends (the request may still receive that step's
+        tokens); from another thread it waits for the running step to end.
+        """
+        with self._step_lock:
+            if self._in_step:
+                self._deferred_aborts.append(request_id)
+                return
+            if self.admission.abort(request_id):
+                return
+            req = self.scheduler.requests.get(request_id)
+            if req is not None:
+                req.stats.finished_time = time.perf_counter()
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop, length, abort or fault): the scheduler frees its blocks, the drafter
+        forgets it."""
+        self.scheduler.finish(req, status)
+        if self.drafter is not None:
+            self.drafter.reset(req)
+
+    def fail(self, req: Request, message: str, scrub_kv: bool = False) -> None:
+        """End ``req`` alone because of a fault: ``finish_reason`` "error", ``req.error`` = ``message``,
+        every block freed. ``scrub_kv``: first zero the K/V of the blocks only it holds, so that NaN or
+        infinity written by its forward cannot reach a later request through stale (masked) slots."""
+        if req.status.finished:
+            return
+        logger.warning("request %s ended by a fault: %s", req.request_id, message)
+        req.error = message
+        if scrub_kv:
+            pool = self.kv.pool
+            private = [b for b in req.block_ids[req.num_cached_blocks :] if pool.blocks[b].ref_count == 1]
+            if private:
+                faults.zero_blocks(self.runner.kv_caches, private, self.num_kv_blocks)
+        req.stats.finished_time = time.perf_counter()
+        self.finish(req, RequestStatus.FINISHED_ERROR)
+        self._num_faults += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.compiling)
+
+    def append_token(self, req: Request, token: int) -> bool:
+        """Append one token under the stop rules (see :func:`specdec.engine.commit.append_token`)."""
+        return append_token(self, req, token)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[Request]:
+        """Schedule; draft (when speculating); run one target forward; sample or verify; append tokens.
+
+        A fault of one request ends that request alone (see the class docstring); aborts asked for during
+        the step are applied when it ends.
+
+        Returns:
+            The requests that received tokens or ended this step (finished ones included).
+        """
+        with self._step_lock:
+            self._in_step = True
+            try:
+                return self._step()
+            finally:
+                self._in_step = False
+                aborts, self._deferred_aborts = self._deferred_aborts, []
+                for rid in aborts:
+                    self.abort_request(rid)
+
+    def _step(self) -> list[Request]:
+        self.admit_compiled()
+        out = self.scheduler.schedule()
+        for req in out.preempted:  # their KV is gone: drafters rebuild state from the committed tokens
+            if self.drafter is not None:
+                self.drafter.reset(req)
+        if not out.scheduled:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+            self.admit_compiled(wait=True)  # only compiling requests are left: wait for one
+            return []
+        self.num_steps += 1
+        scheduled, failed = out.scheduled, []
+        if self.drafter is not None:
+            t0 = time.perf_counter()
+            propose_drafts(
+                self.drafter, scheduled, self.model_cfg.vocab_size, lambda s, m: self.fail(s.request, m)
+            )
+            failed = [s.request for s in scheduled if s.request.status.finished]  # ended while drafting
+            scheduled = [s for s in scheduled if not s.request.status.finished]
+            if self.spec_stats is not None:
+                self.spec_stats.draft_time_s += time.perf_counter() - t0
+            if not scheduled:
+                return failed
+        t0 = time.perf_counter()
+        logits, hidden = self._forward(scheduled)
+        batch = process_rows(
+            scheduled, logits, self.model_cfg.vocab_size, lambda s, m, scrub: self.fail(s.request, m, scrub)
+        )
+        results = sample_or_verify(batch, self.verifier, self.generator)
+        logprobs = emitted_logprobs(batch, results)
+        updated = commit_all(self, scheduled, batch.sampling, results, hidden, logprobs)
+        if self.spec_stats is not None:
+            self.spec_stats.verify_time_s += time.perf_counter() - t0
+        return failed + updated
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target forward: logits ``[R, vocab_size]`` of the sampling rows and, when the drafter reads
+        features, the final-norm hidden states ``[T, hidden_size]`` of every row."""
+        inputs = self.runner.prepare(scheduled)
+        hidden = None
+        if self.drafter is not None and self.drafter.uses_hidden_states:
+            logits, hidden = self.runner.execute_with_hidden(inputs)
+        else:
+            logits = self.runner.execute(inputs)
+        if self.fault_injector is not None:
+            with torch.inference_mode():
+                self.fault_injector(scheduled, logits)
+        return logits, hidden
