@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specdec.engine")
 
 
+def is_index(x: object) -> bool:
+    """An integer that is not a bool (Python ints first: the ABC check is slow), e.g. a token id."""
+    return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
+
+
 def validate_request(
     prompt_token_ids: list[int],
     params: SamplingParams,
@@ -58,12 +63,7 @@ def validate_request(
             f"the prompt has {n} tokens but max_model_len is {max_model_len}: "
             "it must leave room for at least one generated token"
         )
-    bad = [
-        t
-        for t in prompt_token_ids
-        if not (type(t) is int or (not isinstance(t, bool) and isinstance(t, numbers.Integral)))
-        or not 0 <= t < vocab_size
-    ]
+    bad = [t for t in prompt_token_ids if not is_index(t) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
     bad_stops = [t for t in params.stop_token_ids if t >= vocab_size]

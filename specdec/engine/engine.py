@@ -24,7 +24,7 @@ from specdec.drafters.base import Drafter
 from specdec.engine import faults
 from specdec.engine.admission import GrammarAdmission, validate_request
 from specdec.engine.build import EngineParts, build_engine_parts
-from specdec.engine.commit import append_token, commit_all
+from specdec.engine.commit import commit_all
 from specdec.engine.proposals import propose_drafts
 from specdec.engine.verification import emitted_logprobs, process_rows, sample_or_verify
 from specdec.errors import InvalidRequestError
@@ -269,10 +269,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.compiling)
-
-    def append_token(self, req: Request, token: int) -> bool:
-        """Append one token under the stop rules (see :func:`specdec.engine.commit.append_token`)."""
-        return append_token(self, req, token)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[Request]:

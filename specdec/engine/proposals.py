@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections.abc import Callable
 
 import torch
 
 from sampling.token_tree import TokenTree
 from specdec.drafters.base import Drafter, DraftInput, DraftProposal
+from specdec.engine.admission import is_index
 from specdec.engine.faults import run_isolated
 from specdec.scheduler import ScheduledRequest
 
@@ -85,7 +85,7 @@ def check_proposal(proposal: object, vocab_size: int, check_values: bool = True)
         tokens = list(proposal.token_ids)
     except TypeError:
         raise InvalidProposalError(f"token_ids must be a list of ints, got {proposal.token_ids!r}") from None
-    bad = [t for t in tokens if not _is_index(t) or not 0 <= t < vocab_size]
+    bad = [t for t in tokens if not is_index(t) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidProposalError(f"draft token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
     probs = proposal.draft_probs
@@ -101,18 +101,13 @@ def check_proposal(proposal: object, vocab_size: int, check_values: bool = True)
         if probs is not None:
             raise InvalidProposalError("token-tree proposals must be deterministic (draft_probs None)")
         parents = proposal.parents
-        if not isinstance(parents, (list, tuple)) or not all(_is_index(q) for q in parents):
+        if not isinstance(parents, (list, tuple)) or not all(is_index(q) for q in parents):
             raise InvalidProposalError(f"parents must be a list of ints, got {parents!r}")
         try:
             TokenTree(tuple(tokens), tuple(int(q) for q in parents))
         except (ValueError, TypeError) as e:
             raise InvalidProposalError(f"not a token tree: {e}") from None
     return proposal
-
-
-def _is_index(x: object) -> bool:
-    """An integer that is not a bool (Python ints first: the ABC check is slow)."""
-    return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
 
 
 def draft_probs_errors(proposals: list[DraftProposal]) -> list[str | None]:
