@@ -32,10 +32,8 @@ directory gets ``summary.json`` (rows, floor, config, git, versions, seeds), ``b
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,18 @@ import torch
 from omegaconf import DictConfig
 
 from experiments.config import BenchConfig, bench_methods, config_to_dict, register_configs, to_bench_config
+from experiments.harness import (
+    ForwardCounter,
+    free_memory,
+    hf_assistant,
+    hf_batch1,
+    hf_generate,
+    spec_stats_fields,
+    time_batch1,
+    time_hf_static_batch,
+    time_together,
+    warm_up,
+)
 from experiments.tables import format_cell
 from experiments.tracking import (
     NullTracker,
@@ -67,101 +77,10 @@ HF_METHOD_NAMES = {
 }
 
 
-# ------------------------------------------------------------------------------ shared utilities
-def _sync(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-class ForwardCounter:
-    """Counts a transformers model's forward calls (each verification or decode step is one)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.calls = 0
-        model.register_forward_hook(self._hook)
-
-    def _hook(self, *args: Any) -> None:
-        self.calls += 1
-
-
-def hf_generate(
-    model: Any,
-    prompt: list[int],
-    max_tokens: int,
-    counter: ForwardCounter,
-    ignore_eos: bool = False,
-    **kwargs: Any,
-) -> tuple[list[int], float, int]:
-    """Greedy ``generate`` of one prompt; returns (new tokens, seconds, target forwards after the
-    prefill)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt], device=device)
-    if ignore_eos:
-        kwargs["min_new_tokens"] = max_tokens
-    counter.calls = 0
-    _sync(device)
-    t = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, **kwargs
-        )
-    _sync(device)
-    elapsed = time.perf_counter() - t
-    return out[0, len(prompt) :].tolist(), elapsed, max(counter.calls - 1, 1)
-
-
-def hf_static_batch(
-    model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, pad_id: int, ignore_eos: bool
-) -> tuple[int, float]:
-    """transformers greedy ``generate`` on one left-padded static batch; returns (tokens, seconds),
-    counting each row's tokens up to its EOS (or all of them with ``ignore_eos``)."""
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(list(p))
-        mask[i, width - len(p) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    kwargs: dict[str, Any] = {"min_new_tokens": max_tokens} if ignore_eos else {}
-    _sync(device)
-    t = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=pad_id,
-            **kwargs,
-        )
-    _sync(device)
-    elapsed = time.perf_counter() - t
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None and not ignore_eos else set()
-    tokens = 0
-    for row in out[:, width:].tolist():
-        n = len(row)
-        for j, tok in enumerate(row):
-            if tok in eos_ids:
-                n = j + 1
-                break
-        tokens += n
-    return tokens, elapsed
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # ------------------------------------------------------------------------------------- specdec
 def _spec_fields(llm: Any) -> dict[str, Any]:
-    stats = llm.engine.spec_stats
-    if stats is None:
-        return {"tau": None, "acceptance_rate": None}
-    return {"tau": stats.mean_acceptance_length, "acceptance_rate": stats.acceptance_rate}
+    fields = spec_stats_fields(llm)
+    return {"tau": fields.get("tau"), "acceptance_rate": fields.get("acceptance_rate")}
 
 
 def _make_llm(cfg: BenchConfig, method: str, device: str) -> Any:
@@ -191,34 +110,18 @@ def run_specdec(
     quantization = QuantizationConfig.from_any(cfg.engine.quantization_arg())
     weight_bytes = step_weight_bytes(llm.engine.model.cfg, llm.engine.model.dtype, quantization)[2]
     sp = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
-    llm.generate([{"prompt_token_ids": warmup}], SamplingParams(temperature=0.0, max_tokens=4))
+    warm_up(llm, warmup)
     rows: list[dict[str, Any]] = []
     outputs: list[list[int]] | None = None
     for c in cfg.concurrency:
-        llm.engine.reset_spec_stats()
         if c == 1:
-            tokens, elapsed, outs = 0, 0.0, []
-            for p in prompts:
-                llm.engine.kv.pool.reset_prefix_cache()
-                _sync(device)
-                t = time.perf_counter()
-                (o,) = llm.generate([{"prompt_token_ids": p}], sp)
-                _sync(device)
-                elapsed += time.perf_counter() - t
-                outs.append(list(o.outputs[0].token_ids))
-                tokens += len(o.outputs[0].token_ids)
-            outputs = outs
+            timed = time_batch1(llm, prompts, sp)
+            outputs = timed.outputs
             n_requests = len(prompts)
         else:
-            batch = [prompts[i % len(prompts)] for i in range(c)]
-            llm.engine.kv.pool.reset_prefix_cache()
-            _sync(device)
-            t = time.perf_counter()
-            outs_c = llm.generate([{"prompt_token_ids": p} for p in batch], sp)
-            _sync(device)
-            elapsed = time.perf_counter() - t
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs_c)
+            timed = time_together(llm, [prompts[i % len(prompts)] for i in range(c)], sp)
             n_requests = c
+        tokens, elapsed = timed.tokens, timed.time_s
         row = {
             "system": "specdec",
             "method": method,
@@ -239,7 +142,7 @@ def run_specdec(
         )
         rows.append(row)
     del llm
-    _free()
+    free_memory()
     return rows, outputs, weight_bytes
 
 
@@ -288,20 +191,11 @@ def run_transformers(
         elif method == "draft_model":
             draft = cfg.resolved_draft_model()
             assert draft is not None
-            assistant: Any = AutoModelForCausalLM.from_pretrained(str(resolve_model(draft)), dtype=dtype)
-            assistant = assistant.to(torch.device(device)).eval()
-            # A fixed k, as specdec's: transformers otherwise adapts the number of assistant tokens.
-            assistant.generation_config.num_assistant_tokens = k
-            assistant.generation_config.num_assistant_tokens_schedule = "constant"
-            assistant.generation_config.assistant_confidence_threshold = 0.0
-            extra = {"assistant_model": assistant}
+            extra = {"assistant_model": hf_assistant(resolve_model(draft), dtype, k, device)}
             hf_generate(hf, warmup, 4, counter, **common, **extra)
-        tokens, elapsed, forwards, outs = 0, 0.0, 0, []
-        for p in prompts:
-            new, secs, fw = hf_generate(hf, p, cfg.max_tokens, counter, cfg.ignore_eos, **common, **extra)
-            tokens, elapsed, forwards = tokens + len(new), elapsed + secs, forwards + fw
-            outs.append(new)
-        outputs[method] = outs
+        timed = hf_batch1(hf, prompts, cfg.max_tokens, counter, cfg.ignore_eos, **common, **extra)
+        tokens, elapsed, forwards = timed.tokens, timed.time_s, timed.forwards
+        outputs[method] = timed.outputs
         rows.append(
             {
                 "system": "transformers",
@@ -318,11 +212,10 @@ def run_transformers(
         )
         logger.info("transformers %s: %d tokens in %.2f s", method, tokens, elapsed)
         extra.clear()
-        _free()
+        free_memory()
     for b in cfg.transformers_static_batch:
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        hf_static_batch(hf, [p[:8] for p in batch], 4, pad, False)  # warm-up
-        tokens, elapsed = hf_static_batch(hf, batch, cfg.max_tokens, pad, cfg.ignore_eos)
+        tokens, elapsed = time_hf_static_batch(hf, batch, cfg.max_tokens, pad, cfg.ignore_eos)
         rows.append(
             {
                 "system": "transformers",
@@ -337,7 +230,7 @@ def run_transformers(
             }
         )
     del hf
-    _free()
+    free_memory()
     return rows, outputs
 
 

@@ -11,27 +11,40 @@ Methods (greedy, SmolLM2-135M-Instruct by default, one request at a time):
 
 Per method: tokens/s, speedup over our plain decoding and over transformers, τ (tokens emitted per
 target forward), acceptance per position (the fraction of draft steps whose draft at depth i was
-accepted), and, with ``--prompts specbench``, τ per Spec-Bench category. Every speculative method's
+accepted), and, with ``prompts=specbench``, τ per Spec-Bench category. Every speculative method's
 output is checked against plain greedy decoding (exactness; a mismatch is reported, not hidden).
 
-Generation stops at the target's EOS (or ``--max-tokens``), as in Spec-Bench and the EAGLE papers:
-past EOS a model writes text no drafter was trained on, so ``--ignore-eos`` (every request makes
-``--max-tokens`` tokens, for equal work per method) lowers the τ of the learned drafters.
+Generation stops at the target's EOS (or ``max_tokens``), as in Spec-Bench and the EAGLE papers:
+past EOS a model writes text no drafter was trained on, so ``ignore_eos=true`` (every request makes
+``max_tokens`` tokens, for equal work per method) lowers the τ of the learned drafters.
 
-    python -m experiments.bench_drafters --prompts heldout --limit 24 --max-tokens 96
-    python -m experiments.bench_drafters --prompts specbench --per-category 3 --max-tokens 96
+    python -m experiments.bench_drafters prompts=heldout limit=24 max_tokens=96
+    python -m experiments.bench_drafters prompts=specbench per_category=3 max_tokens=96
+    python -m experiments.bench_drafters 'methods=[plain,ngram,eagle]' out=drafters.json plot=drafters.png
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from experiments.harness import (
+    ForwardCounter,
+    HarnessConfig,
+    benchmark,
+    hf_batch1,
+    hf_generate,
+    measure_batch1,
+    require_choice,
+    require_positive,
+    require_subset,
+)
+from specdec.errors import ConfigError
 
 METHODS: dict[str, dict[str, Any] | None] = {
     "plain": None,
@@ -44,8 +57,49 @@ METHODS: dict[str, dict[str, Any] | None] = {
 DEFAULT_SPECBENCH = "../shared/specbench/question.jsonl"
 
 
+def method_names() -> list[str]:
+    """Every ``methods`` name: the rows of :data:`METHODS`, then the other registered drafters."""
+    from specdec.drafters.registry import drafter_names
+
+    return list(dict.fromkeys([*METHODS, *drafter_names()]))
+
+
+@dataclass
+class BenchDraftersConfig(HarnessConfig):
+    """Attributes:
+    model: the target (zoo name or HF-format directory).
+    prompts: ``heldout`` (built-in prompts never trained on) or ``specbench``.
+    specbench_path: Spec-Bench's question.jsonl.
+    limit: held-out prompts.
+    per_category: Spec-Bench prompts per category.
+    max_tokens: new tokens per request at most.
+    dtype: float32, bfloat16 or float16.
+    ignore_eos: generate ``max_tokens`` tokens per prompt, past EOS.
+    methods: rows of :data:`METHODS` or registered drafter names (a chain of 4).
+    plot: PNG of acceptance per position (and τ per category).
+    """
+
+    model: str = "smollm2-135m-instruct"
+    prompts: str = "heldout"
+    specbench_path: str = DEFAULT_SPECBENCH
+    limit: int = 24
+    per_category: int = 3
+    max_tokens: int = 96
+    dtype: str = "bfloat16"
+    ignore_eos: bool = False
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    plot: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        require_choice("prompts", self.prompts, ("heldout", "specbench"))
+        require_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        require_positive(self, "limit", "per_category", "max_tokens")
+        require_subset("methods", self.methods, method_names())
+
+
 def method_spec(name: str) -> dict[str, Any] | None:
-    """The ``speculative_config`` of a ``--methods`` name: a row of :data:`METHODS`, else any registered
+    """The ``speculative_config`` of a ``methods`` name: a row of :data:`METHODS`, else any registered
     drafter (:func:`specdec.drafters.drafter_names`) as a chain of 4."""
     from specdec.drafters.registry import drafter_names
 
@@ -53,9 +107,7 @@ def method_spec(name: str) -> dict[str, Any] | None:
         return METHODS[name]
     if name in drafter_names():
         return {"method": name, "num_speculative_tokens": 4}
-    raise SystemExit(
-        f"unknown method {name!r}; choose from {list(dict.fromkeys([*METHODS, *drafter_names()]))}"
-    )
+    raise ConfigError(f"methods must be a non-empty subset of {method_names()}, got unknown {name!r}")
 
 
 def load_prompts(kind: str, limit: int, per_category: int, path: str) -> list[Any]:
@@ -80,18 +132,12 @@ def _hf_plain(
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from experiments.bench import ForwardCounter, hf_generate
-
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     counter = ForwardCounter(model)
     hf_generate(model, ids[0], 4, counter, ignore_eos=True)  # warm-up
-    tokens, seconds = 0, 0.0
-    for p in ids:
-        out, dt, _ = hf_generate(model, p, max_tokens, counter, ignore_eos=ignore_eos)
-        tokens += len(out)
-        seconds += dt
+    timed = hf_batch1(model, ids, max_tokens, counter, ignore_eos=ignore_eos)
     del model
-    return {"tokens": tokens, "time_s": seconds, "tokens_per_s": tokens / seconds}
+    return {"tokens": timed.tokens, "time_s": timed.time_s, "tokens_per_s": timed.tokens_per_s}
 
 
 def run_method(
@@ -103,75 +149,36 @@ def run_method(
     dtype: str,
     ignore_eos: bool = False,
 ) -> tuple[dict[str, Any], list[list[int]]]:
-    from sampling.params import SamplingParams
-    from specdec import LLM
-
-    llm = LLM(model, dtype=dtype, speculative_config=spec)
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    llm.generate([{"prompt_token_ids": ids[0]}], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    llm.engine.reset_spec_stats()
-    outs: list[list[int]] = []
-    tokens, seconds = 0, 0.0
-    per_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> [accepted, draft steps]
-    for p, cat in zip(ids, cats):
-        llm.engine.kv.pool.reset_prefix_cache()
-        t = time.perf_counter()
-        (o,) = llm.generate([{"prompt_token_ids": p}], sp)
-        seconds += time.perf_counter() - t
-        out = list(o.outputs[0].token_ids)
-        outs.append(out)
-        tokens += len(out)
-        if o.metrics.get("num_drafts"):
-            per_cat[cat][0] += o.metrics["num_accepted_tokens"]
-            per_cat[cat][1] += o.metrics["num_drafts"]
-    stats = llm.engine.spec_stats
-    row: dict[str, Any] = {"tokens": tokens, "time_s": seconds, "tokens_per_s": tokens / seconds}
-    if stats is not None and stats.num_drafts:
-        row["tau"] = stats.mean_acceptance_length
-        row["acceptance_per_position"] = [n / stats.num_drafts for n in stats.accepted_per_position]
-        row["draft_tokens_per_step"] = stats.num_draft_tokens / stats.num_drafts
-        row["draft_time_s"] = stats.draft_time_s
-        row["verify_time_s"] = stats.verify_time_s
+    """:func:`experiments.harness.measure_batch1`, plus τ per prompt category."""
+    row, timed = measure_batch1(model, spec, ids, max_tokens, dtype=dtype, ignore_eos=ignore_eos)
+    if "tau" in row:
+        per_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> [accepted, draft steps]
+        for m, cat in zip(timed.metrics, cats):
+            if m.get("num_drafts"):
+                per_cat[cat][0] += m["num_accepted_tokens"]
+                per_cat[cat][1] += m["num_drafts"]
         row["tau_per_category"] = {c: 1 + a / n for c, (a, n) in per_cat.items() if n}
-    del llm
-    return row, outs
+    return row, timed.outputs
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", choices=("heldout", "specbench"), default="heldout")
-    ap.add_argument("--specbench-path", default=DEFAULT_SPECBENCH)
-    ap.add_argument("--limit", type=int, default=24, help="held-out prompts")
-    ap.add_argument("--per-category", type=int, default=3, help="Spec-Bench prompts per category")
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument(
-        "--ignore-eos", action="store_true", help="generate --max-tokens tokens per prompt, past EOS"
-    )
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--out", default=None, help="JSON output path")
-    ap.add_argument("--plot", default=None, help="PNG of acceptance per position (and τ per category)")
-    args = ap.parse_args(argv)
-
+def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     from experiments.run import load_tokenizer, prompt_token_ids
     from specdec.zoo import resolve_model
 
-    specs = {name: method_spec(name) for name in args.methods.split(",")}  # unknown names fail first
-    torch.manual_seed(0)
-    prompts = load_prompts(args.prompts, args.limit, args.per_category, args.specbench_path)
-    ids = prompt_token_ids(load_tokenizer(args.model), prompts)
+    specs = {name: method_spec(name) for name in cfg.methods}
+    prompts = load_prompts(cfg.prompts, cfg.limit, cfg.per_category, cfg.specbench_path)
+    ids = prompt_token_ids(load_tokenizer(cfg.model), prompts)
     cats = [p.category for p in prompts]
-    result: dict[str, Any] = {"model": args.model, "prompts": args.prompts, "num_prompts": len(ids)}
-    result["max_tokens"] = args.max_tokens
-    result["ignore_eos"] = args.ignore_eos
+    result: dict[str, Any] = {"model": cfg.model, "prompts": cfg.prompts, "num_prompts": len(ids)}
+    result["max_tokens"] = cfg.max_tokens
+    result["ignore_eos"] = cfg.ignore_eos
     result["transformers_plain"] = _hf_plain(
-        resolve_model(args.model), ids, args.max_tokens, getattr(torch, args.dtype), args.ignore_eos
+        resolve_model(cfg.model), ids, cfg.max_tokens, getattr(torch, cfg.dtype), cfg.ignore_eos
     )
     rows: dict[str, Any] = {}
     base_outs: list[list[int]] | None = None
     for name, spec in specs.items():
-        row, outs = run_method(args.model, spec, ids, cats, args.max_tokens, args.dtype, args.ignore_eos)
+        row, outs = run_method(cfg.model, spec, ids, cats, cfg.max_tokens, cfg.dtype, cfg.ignore_eos)
         if name == "plain":
             base_outs = outs
         elif base_outs is not None:
@@ -184,12 +191,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row["speedup_vs_plain"] = row["tokens_per_s"] / plain if plain else None
         row["speedup_vs_transformers"] = row["tokens_per_s"] / hf
     result["methods"] = rows
-    print(format_table(result))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
-        plot(result, args.plot)
+    if cfg.plot:
+        plot(result, cfg.plot)
     return result
 
 
@@ -259,6 +262,9 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
+
+#: ``main()``: Hydra's command line; ``main(["methods=[plain,ngram]"])``: compose, run, return the result.
+main = benchmark("bench_drafters", BenchDraftersConfig, run, format_table)
 
 if __name__ == "__main__":
     main()

@@ -7,19 +7,28 @@ Same model, prompts, dtype and process. Reports tokens/s at batch 1, our through
 concurrent requests against transformers' static batch of 16, and the memory-bandwidth floor: the
 weight bytes a decode step must read ÷ this machine's measured read bandwidth.
 
-    python -m experiments.bench_engine --dtype bfloat16 --max-tokens 128
+    python -m experiments.bench_engine dtype=bfloat16 max_tokens=128
+    python -m experiments.bench_engine dtype=float32 'batch_sizes=[1,4]' skip_hf_batch=true out=engine.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from experiments.bench import hf_static_batch, measure_read_bandwidth
+from experiments.harness import (
+    HarnessConfig,
+    benchmark,
+    require_choice,
+    require_positive,
+    require_positive_list,
+    time_hf_static_batch,
+    time_together,
+    warm_up,
+)
+from specdec.errors import ConfigError
 
 PROMPTS = [
     "Explain what a hash table is and when to use one.",
@@ -33,7 +42,37 @@ PROMPTS = [
 ]
 
 
-def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+@dataclass
+class BenchEngineConfig(HarnessConfig):
+    """Attributes:
+    model: zoo name or HF-format directory (with a tokenizer: the prompts are chat prompts).
+    dtype: float32 or bfloat16, both systems.
+    max_tokens: new tokens per request (EOS ignored).
+    batch_sizes: our engine's numbers of concurrent requests (1 is the batch-1 comparison).
+    skip_hf_batch: skip transformers' static batch of 16.
+    compile: also run our engine with ``compile=True`` (:mod:`specdec.compilation`): rows
+        ``ours_compiled_*``, the compile time of each bucket, and the speedups over eager.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "bfloat16"
+    max_tokens: int = 128
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    skip_hf_batch: bool = False
+    compile: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        require_choice("dtype", self.dtype, ("float32", "bfloat16"))
+        require_positive(self, "max_tokens")
+        require_positive_list("batch_sizes", self.batch_sizes)
+        if 1 not in self.batch_sizes:
+            raise ConfigError(
+                f"batch_sizes must include 1 (the comparison at batch 1), got {self.batch_sizes}"
+            )
+
+
+def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     from specdec.llm import chat_token_ids
 
     return [
@@ -41,75 +80,79 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     ]
 
 
-def bench_hf(hf_model, prompts: list[list[int]], max_tokens: int, pad_id: int) -> float:
+def bench_hf(hf_model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int) -> float:
     """transformers greedy ``generate`` on a static (left-padded) batch; returns generated tokens/s."""
-    hf_static_batch(hf_model, [p[:8] for p in prompts], 4, pad_id, ignore_eos=False)  # warm-up
-    tokens, elapsed = hf_static_batch(hf_model, prompts, max_tokens, pad_id, ignore_eos=True)
+    tokens, elapsed = time_hf_static_batch(hf_model, prompts, max_tokens, pad_id, ignore_eos=True)
     assert tokens == len(prompts) * max_tokens
     return tokens / elapsed
 
 
-def bench_ours(llm, prompts: list[list[int]], max_tokens: int) -> float:
+def bench_ours(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """Our engine on ``prompts`` submitted together (a warm-up first); returns generated tokens/s."""
     from sampling.params import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(
-        [{"prompt_token_ids": prompts[0][:8]}], SamplingParams(temperature=0, max_tokens=4)
-    )  # warm-up
-    llm.engine.kv.pool.reset_prefix_cache()
-    t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-    elapsed = time.perf_counter() - t
-    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-    return len(prompts) * max_tokens / elapsed
+    warm_up(llm, prompts[0][:8])
+    # The same batch for a few tokens: a compiled engine compiles the buckets it needs here, not timed.
+    time_together(llm, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    timed = time_together(llm, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    assert all(len(o) == max_tokens for o in timed.outputs)
+    return timed.tokens_per_s
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--skip-hf-batch", action="store_true", help="skip transformers' batch of 16")
-    parser.add_argument("--out", default=None, help="write the figures as JSON here")
-    args = parser.parse_args(argv)
-
+def run(cfg: BenchEngineConfig) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec.config import resolve_dtype
     from specdec.llm import LLM
+    from specdec.memory import measure_read_bandwidth
     from specdec.memory import weight_bytes as step_weight_bytes
     from specdec.zoo import resolve_model
 
-    dtype = resolve_dtype(args.dtype)
-    model_dir = resolve_model(args.model)
+    dtype = resolve_dtype(cfg.dtype)
+    model_dir = resolve_model(cfg.model)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    prompts = chat_prompts(tok, max(batch_sizes))
+    prompts = chat_prompts(tok, max(cfg.batch_sizes))
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    llm = LLM(model_dir, dtype=args.dtype, device="cpu")
+    llm = LLM(model_dir, dtype=cfg.dtype, device="cpu")
     # Bytes one batch-1 decode step reads (the calculator's count: every layer, the LM head, one row).
     weight_bytes = step_weight_bytes(llm.engine.model_cfg, dtype)[2]
     bandwidth = measure_read_bandwidth()
     floor_s = weight_bytes / bandwidth
-    result: dict = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "max_tokens": args.max_tokens,
+    result: dict[str, Any] = {
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "max_tokens": cfg.max_tokens,
         "threads": torch.get_num_threads(),
         "weight_bytes": weight_bytes,
         "read_bandwidth_GBps": bandwidth / 1e9,
         "floor_step_ms": floor_s * 1e3,
         "floor_tokens_per_s_batch1": 1 / floor_s,
     }
-    for b in batch_sizes:
-        result[f"ours_tokens_per_s_batch{b}"] = bench_ours(llm, prompts[:b], args.max_tokens)
+    for b in cfg.batch_sizes:
+        result[f"ours_tokens_per_s_batch{b}"] = bench_ours(llm, prompts[:b], cfg.max_tokens)
     del llm
+    if cfg.compile:
+        import time
+
+        t0 = time.perf_counter()
+        llm = LLM(model_dir, dtype=cfg.dtype, device="cpu", compile=True)
+        for b in cfg.batch_sizes:
+            result[f"ours_compiled_tokens_per_s_batch{b}"] = bench_ours(llm, prompts[:b], cfg.max_tokens)
+        stats = llm.engine.runner.compile_stats
+        assert stats is not None
+        result["compile_time_s_by_bucket"] = dict(stats.compile_time_s)
+        result["compile_time_s_total"] = stats.total_compile_time_s
+        result["compiled_run_wall_s"] = time.perf_counter() - t0
+        for b in cfg.batch_sizes:
+            result[f"speedup_compiled_vs_eager_batch{b}"] = (
+                result[f"ours_compiled_tokens_per_s_batch{b}"] / result[f"ours_tokens_per_s_batch{b}"]
+            )
+        del llm
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    result["hf_tokens_per_s_batch1"] = bench_hf(hf_model, prompts[:1], args.max_tokens, pad)
-    if not args.skip_hf_batch and 16 in batch_sizes:
-        result["hf_tokens_per_s_static_batch16"] = bench_hf(hf_model, prompts[:16], args.max_tokens, pad)
+    result["hf_tokens_per_s_batch1"] = bench_hf(hf_model, prompts[:1], cfg.max_tokens, pad)
+    if not cfg.skip_hf_batch and 16 in cfg.batch_sizes:
+        result["hf_tokens_per_s_static_batch16"] = bench_hf(hf_model, prompts[:16], cfg.max_tokens, pad)
     result["speedup_batch1_vs_hf"] = result["ours_tokens_per_s_batch1"] / result["hf_tokens_per_s_batch1"]
     result["fraction_of_floor_batch1"] = (
         result["ours_tokens_per_s_batch1"] / result["floor_tokens_per_s_batch1"]
@@ -118,13 +161,20 @@ def main(argv: list[str] | None = None) -> dict:
         result["speedup_batch16_vs_hf_static"] = (
             result["ours_tokens_per_s_batch16"] / result["hf_tokens_per_s_static_batch16"]
         )
-    width = max(len(k) for k in result)
-    for k, v in result.items():
-        print(f"{k:{width}s}  {v:.3f}" if isinstance(v, float) else f"{k:{width}s}  {v}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    if cfg.compile:
+        best = result["ours_compiled_tokens_per_s_batch1"]
+        result["compiled_speedup_batch1_vs_hf"] = best / result["hf_tokens_per_s_batch1"]
+        result["compiled_fraction_of_floor_batch1"] = best / result["floor_tokens_per_s_batch1"]
+        if "hf_tokens_per_s_static_batch16" in result:
+            result["compiled_speedup_batch16_vs_hf_static"] = (
+                result["ours_compiled_tokens_per_s_batch16"] / result["hf_tokens_per_s_static_batch16"]
+            )
     return result
 
+
+#: ``main()``: Hydra's command line; ``main(["dtype=float32"])``: compose, run, return the result. The
+#: table is the result's ``key  value`` listing.
+main = benchmark("bench_engine", BenchEngineConfig, run, device="cpu")
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """Constrained decoding on real schemas: JSONSchemaBench (``../shared/jsonschemabench``) with SmolLM2.
 
-For a deterministic sample of schemas (``--per-subset`` smallest of each subset, or ``--all``):
+For a deterministic sample of schemas (``per_subset`` smallest of each subset, or all of them with
+``per_subset=null``):
 
 - compile success rate and compile time p50 / p90 (one at a time, outlines-core backend, 10 s limit);
 - SmolLM2 generates one object per compiled schema (short chat prompt asking for an example, greedy,
@@ -8,23 +9,57 @@ For a deterministic sample of schemas (``--per-subset`` smallest of each subset,
   speculation: share of finished outputs that are schema-valid (``jsonschema``), split by whether the
   schema uses keywords outlines-core ignores, share ended by length, and per-token mask time p50 / p99
   (µs; ``Grammar.fill_bitmask`` calls, timed in place);
-- decode speed at batch 1 on ``--speed-prompts`` schemas: tokens/s with the grammar vs the same prompts
+- decode speed at batch 1 on ``speed_prompts`` schemas: tokens/s with the grammar vs the same prompts
   without it, each with and without n-gram speculation (same process, same prompts).
 
-    python -m experiments.bench_grammar --per-subset 5 --out grammar_bench.json
+    python -m experiments.bench_grammar per_subset=5 out=grammar_bench.json
+    python -m experiments.bench_grammar per_subset=null     # every schema
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.harness import HarnessConfig, benchmark, require_positive, time_batch1, warm_up
+from specdec.errors import ConfigError
+
 BENCH = Path(__file__).resolve().parents[1] / ".." / "shared" / "jsonschemabench"
+#: The compile figures, first in the report.
+COMPILE_KEYS = (
+    "num_schemas",
+    "compiled",
+    "compile_success_rate",
+    "compile_failures",
+    "compile_time_s_p50",
+    "compile_time_s_p90",
+)
+
+
+@dataclass
+class BenchGrammarConfig(HarnessConfig):
+    """Attributes:
+    per_subset: the smallest schemas of each subset (null: every schema).
+    max_tokens: of the batched generation.
+    speed_prompts: schemas of the batch-1 speed figures.
+    speed_max_tokens: new tokens per batch-1 request at most.
+    """
+
+    per_subset: int | None = 5
+    max_tokens: int = 256
+    speed_prompts: int = 4
+    speed_max_tokens: int = 96
+
+    def validate(self) -> None:
+        super().validate()
+        if self.per_subset is not None and self.per_subset < 1:
+            raise ConfigError(f"per_subset must be >= 1 or null (every schema), got {self.per_subset}")
+        require_positive(self, "max_tokens", "speed_prompts", "speed_max_tokens")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -77,15 +112,7 @@ class MaskTimer:
         self.cls.fill_bitmask = self.original  # type: ignore[method-assign]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--per-subset", type=int, default=5)
-    ap.add_argument("--all", action="store_true")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--speed-prompts", type=int, default=4)
-    ap.add_argument("--speed-max-tokens", type=int, default=96)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+def run(cfg: BenchGrammarConfig) -> dict[str, Any]:
     if not (BENCH / "index.jsonl").exists():
         raise SystemExit(f"{BENCH} is absent")
 
@@ -95,7 +122,7 @@ def main() -> None:
     from specdec import LLM
 
     warnings.simplefilter("ignore")
-    rows = select(None if args.all else args.per_subset)
+    rows = select(cfg.per_subset)
     llm = LLM("smollm2-135m-instruct")
     backend = llm._grammar_backend()
     schemas: list[tuple[dict[str, Any], dict[str, Any], bool]] = []
@@ -126,7 +153,7 @@ def main() -> None:
         timer = MaskTimer()
         t = time.perf_counter()
         params = [
-            SamplingParams(temperature=0, max_tokens=args.max_tokens, json_schema=s) for _, s, _ in schemas
+            SamplingParams(temperature=0, max_tokens=cfg.max_tokens, json_schema=s) for _, s, _ in schemas
         ]
         outs = runner.generate(prompts, params)
         wall = time.perf_counter() - t
@@ -162,31 +189,38 @@ def main() -> None:
         )
     # Decode speed at batch 1: grammar vs none, plain vs ngram.
     speed: dict[str, float] = {}
-    sub = list(zip(prompts, schemas))[: args.speed_prompts]
+    sub = list(zip(prompts, schemas))[: cfg.speed_prompts]
     for label, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
         runner = llm if spec is None else LLM("smollm2-135m-instruct", speculative_config=spec)
         runner.engine.grammar_backend = backend
-        runner.generate(sub[0][0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+        warm_up(runner, sub[0][0]["prompt_token_ids"])
         for constrained in (False, True):
-            tokens, elapsed = 0, 0.0
-            for p, (_, s, _) in sub:
-                sp = SamplingParams(
-                    temperature=0, max_tokens=args.speed_max_tokens, json_schema=s if constrained else None
+            params = [
+                SamplingParams(
+                    temperature=0, max_tokens=cfg.speed_max_tokens, json_schema=s if constrained else None
                 )
-                t = time.perf_counter()
-                (o,) = runner.generate(p, sp)
-                elapsed += time.perf_counter() - t
-                tokens += len(o.outputs[0].token_ids)
-            speed[f"{label}_{'grammar' if constrained else 'free'}_tok_s"] = tokens / elapsed
+                for _, (_, s, _) in sub
+            ]
+            timed = time_batch1(
+                runner, [p["prompt_token_ids"] for p, _ in sub], params, reset_prefix_cache=False
+            )
+            speed[f"{label}_{'grammar' if constrained else 'free'}_tok_s"] = timed.tokens_per_s
     speed["grammar_over_free_plain"] = speed["plain_grammar_tok_s"] / speed["plain_free_tok_s"]
     speed["grammar_over_free_ngram"] = speed["ngram_grammar_tok_s"] / speed["ngram_free_tok_s"]
     report["speed_batch1"] = speed
     report["forward_ms_per_token_plain_free"] = 1e3 / speed["plain_free_tok_s"]
-    print(json.dumps({"compile": {k: report[k] for k in list(report)[:6]}, "speed_batch1": speed}))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-    print("median compile", statistics.median(compile_s) if compile_s else None)
+    report["compile_time_s_median"] = statistics.median(compile_s) if compile_s else None
+    return report
 
+
+def format_table(report: dict[str, Any]) -> str:
+    """The compile figures and the batch-1 speeds as one JSON line, then the median compile time."""
+    summary = {"compile": {k: report[k] for k in COMPILE_KEYS}, "speed_batch1": report["speed_batch1"]}
+    return f"{json.dumps(summary)}\nmedian compile {report['compile_time_s_median']}"
+
+
+#: ``main()``: Hydra's command line; ``main(["per_subset=2"])``: compose, run, return the report.
+main = benchmark("bench_grammar", BenchGrammarConfig, run, format_table)
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 self-drafting beside prompt lookup and a draft model, and the kernel microbenchmark behind
 :mod:`specdec.quantization.linear`'s path choice.
 
-Rows per model (batch 1, greedy, ``--max-tokens`` new tokens per prompt, built-in chat prompts):
+Rows per model (batch 1, greedy, ``max_tokens`` new tokens per prompt, built-in chat prompts):
 
 - **decode**: plain decoding tokens/s with float32 and bfloat16 weights, and int8 and int4 weights (with
   bfloat16 activations: the packed kernels pay there, see ``specdec/quantization/linear.py``), each beside
@@ -13,28 +13,39 @@ Rows per model (batch 1, greedy, ``--max-tokens`` new tokens per prompt, built-i
   bfloat16), and for Qwen2.5-Coder-1.5B the 0.5B ``draft_model``: tokens/s, speedup over
   plain, τ (tokens per target forward), acceptance per position, and whether the output equals plain
   greedy decoding (it must);
-- **kernels** (``--kernels``): milliseconds per call of dense, int8 and int4 (packed kernel and
+- **kernels** (``kernels=true``): milliseconds per call of dense, int8 and int4 (packed kernel and
   dequantize-then-matmul) for the model's LM head and fused gate/up shapes, per row count and dtype,
   weights cycled through enough copies to defeat the caches.
 
-    python -m experiments.bench_quant --models smollm2-135m-instruct,qwen2.5-coder-1.5b-instruct
-    python -m experiments.bench_quant --kernels --threads 1
-    python -m experiments.bench_quant --smoke      # a tiny random model, seconds, checks the script only
+    python -m experiments.bench_quant 'models=[smollm2-135m-instruct,qwen2.5-coder-1.5b-instruct]'
+    python -m experiments.bench_quant kernels=true threads=1
+    python -m experiments.bench_quant smoke=true   # a tiny random model, seconds, checks the script only
 
-Results go to ``experiments/results/quant_<model>.json`` (``--out-dir``). Run on an idle machine: the
-figures are wall-clock.
+Results go to ``experiments/results/quant_<model>.json`` (``out_dir``; not with ``smoke=true``), and
+everything with ``run_info`` to ``out`` when set. Run on an idle machine: the figures are wall-clock.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from experiments.harness import (
+    HarnessConfig,
+    benchmark,
+    measure_batch1,
+    require_positive,
+    require_positive_list,
+    require_subset,
+)
+from specdec.errors import ConfigError
 
 RESULTS = Path(__file__).parent / "results"
 #: Decode rows: name -> (dtype, quantization).
@@ -46,6 +57,67 @@ DECODE_ROWS: dict[str, tuple[str, Any]] = {
     "int4-g32-zero-point": ("bfloat16", {"method": "int4", "group_size": 32, "zero_point": True}),
 }
 DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
+#: Speculative rows (``plain`` always runs; ``draft_model`` only for targets of :data:`DRAFT_MODELS`).
+SPEC_ROWS = (
+    "plain",
+    "ngram",
+    "quantized_self-int4",
+    "quantized_self-int4-g32-zero-point",
+    "quantized_self-int8",
+    "draft_model",
+)
+
+
+@dataclass
+class BenchQuantConfig(HarnessConfig):
+    """Attributes:
+    models: zoo names or HF-format directories.
+    decode: decode rows, of :data:`DECODE_ROWS` ([]: none).
+    spec: speculative rows besides ``plain``, of :data:`SPEC_ROWS` ([]: plain only).
+    k: num_speculative_tokens.
+    max_tokens: new tokens per prompt (EOS ignored).
+    num_prompts: built-in chat prompts.
+    kernels: run the kernel microbenchmark instead.
+    kernel_rows: rows (tokens) per kernel call.
+    bandwidth_gbs: read bandwidth in GB/s (null: measured).
+    out_dir: where ``quant_<model>.json`` / ``quant_kernels.json`` go (null: ``experiments/results``).
+    smoke: a tiny random model, few tokens: checks the script.
+    """
+
+    models: list[str] = field(
+        default_factory=lambda: ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"]
+    )
+    decode: list[str] = field(default_factory=lambda: list(DECODE_ROWS))
+    spec: list[str] = field(
+        default_factory=lambda: [
+            "ngram",
+            "quantized_self-int4",
+            "quantized_self-int4-g32-zero-point",
+            "quantized_self-int8",
+            "draft_model",
+        ]
+    )
+    k: int = 4
+    max_tokens: int = 128
+    num_prompts: int = 8
+    kernels: bool = False
+    kernel_rows: list[int] = field(default_factory=lambda: [1, 5, 16, 128])
+    bandwidth_gbs: float | None = None
+    out_dir: str | None = None
+    smoke: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.models:
+            raise ConfigError("models must list at least one model")
+        if self.decode:  # [] skips the decode rows
+            require_subset("decode", self.decode, DECODE_ROWS)
+        if self.spec:  # [] runs plain only
+            require_subset("spec", self.spec, SPEC_ROWS)
+        require_positive(self, "k", "max_tokens", "num_prompts")
+        require_positive_list("kernel_rows", self.kernel_rows)
+        if self.bandwidth_gbs is not None and self.bandwidth_gbs <= 0:
+            raise ConfigError(f"bandwidth_gbs must be > 0 or null (measured), got {self.bandwidth_gbs}")
 
 
 def spec_rows(model: str, k: int, int4: Any) -> dict[str, dict[str, Any] | None]:
@@ -84,84 +156,76 @@ def decode_row(
     model: str, ids: list[list[int]], max_tokens: int, dtype: str, quantization: Any, bandwidth: float
 ) -> dict[str, Any]:
     """Plain decoding tokens/s at batch 1 (one prompt at a time) and the calculator's floor."""
-    from experiments.bench_engine import bench_ours
-    from specdec import LLM
     from specdec.memory import estimate
 
-    llm = LLM(model, dtype=dtype, device="cpu", quantization=quantization, skip_tokenizer_init=True)
-    tokens, seconds = 0, 0.0
-    for p in ids:
-        tps = bench_ours(llm, [p], max_tokens)  # a short warm-up inside, then one timed request
-        seconds += max_tokens / tps
-        tokens += max_tokens
+    row, _ = measure_batch1(
+        model,
+        None,
+        ids,
+        max_tokens,
+        dtype=dtype,
+        ignore_eos=True,
+        warmup=ids[0][:8],
+        device="cpu",
+        quantization=quantization,
+        skip_tokenizer_init=True,
+    )
+    tokens_per_s = row["tokens_per_s"]
     context = sum(len(p) for p in ids) // len(ids) + max_tokens // 2  # mean KV length during decode
     est = estimate(model, context, 1, dtype, quantization, bandwidth_bytes_per_s=bandwidth)
-    del llm
     return {
         "dtype": dtype,
         "quantization": est.quantization,
-        "tokens_per_s": tokens / seconds,
+        "tokens_per_s": tokens_per_s,
         "weight_bytes": est.weight_bytes,
         "step_read_bytes": est.step_read_bytes,
         "floor_tokens_per_s": est.floor_tokens_per_s,
-        "fraction_of_floor": tokens / seconds / est.floor_tokens_per_s,
+        "fraction_of_floor": tokens_per_s / est.floor_tokens_per_s,
     }
 
 
 def spec_row(
     model: str, spec: dict[str, Any] | None, ids: list[list[int]], max_tokens: int
 ) -> tuple[dict[str, Any], list[list[int]]]:
-    """Batch-1 greedy generation of every prompt with a bfloat16 target (as ``bench_drafters.run_method``,
-    prompts given as token ids); tokens/s, τ and acceptance per position."""
-    from sampling.params import SamplingParams
-    from specdec import LLM
-
-    llm = LLM(model, dtype="bfloat16", device="cpu", speculative_config=spec, skip_tokenizer_init=True)
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": ids[0]}], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    llm.engine.reset_spec_stats()
-    outs: list[list[int]] = []
-    tokens, seconds = 0, 0.0
-    for p in ids:
-        llm.engine.kv.pool.reset_prefix_cache()
-        t = time.perf_counter()
-        (o,) = llm.generate([{"prompt_token_ids": p}], sp)
-        seconds += time.perf_counter() - t
-        outs.append(list(o.outputs[0].token_ids))
-        tokens += len(o.outputs[0].token_ids)
-    row: dict[str, Any] = {"tokens": tokens, "time_s": seconds, "tokens_per_s": tokens / seconds}
-    stats = llm.engine.spec_stats
-    if stats is not None and stats.num_drafts:
-        row["tau"] = stats.mean_acceptance_length
-        row["acceptance_per_position"] = [n / stats.num_drafts for n in stats.accepted_per_position]
-        row["draft_time_s"], row["verify_time_s"] = stats.draft_time_s, stats.verify_time_s
-    return row, outs
+    """Batch-1 greedy generation of every prompt with a bfloat16 target
+    (:func:`experiments.harness.measure_batch1`); tokens/s, τ and acceptance per position."""
+    row, timed = measure_batch1(
+        model,
+        spec,
+        ids,
+        max_tokens,
+        dtype="bfloat16",
+        ignore_eos=True,
+        device="cpu",
+        skip_tokenizer_init=True,
+    )
+    return row, timed.outputs
 
 
-def run_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
-    ids = prompts_for(model, args.num_prompts, args.smoke)
+def run_model(model: str, cfg: BenchQuantConfig, bandwidth: float) -> dict[str, Any]:
+    ids = prompts_for(model, cfg.num_prompts, cfg.smoke)
     result: dict[str, Any] = {
         "model": model,
         "num_prompts": len(ids),
-        "max_tokens": args.max_tokens,
+        "max_tokens": cfg.max_tokens,
         "threads": torch.get_num_threads(),
         "read_bandwidth_GBps": bandwidth / 1e9,
     }
     decode: dict[str, Any] = {}
-    for name in args.decode.split(","):
+    for name in cfg.decode:
         dtype, quantization = DECODE_ROWS[name]
-        if args.smoke and isinstance(quantization, str) and quantization == "int4":
+        if cfg.smoke and isinstance(quantization, str) and quantization == "int4":
             quantization = {"method": "int4", "group_size": 32}  # the tiny model's sizes take groups of 32
-        decode[name] = decode_row(model, ids, args.max_tokens, dtype, quantization, bandwidth)
+        decode[name] = decode_row(model, ids, cfg.max_tokens, dtype, quantization, bandwidth)
         print(model, name, json.dumps(decode[name]), flush=True)
     result["decode"] = decode
-    int4 = {"method": "int4", "group_size": 32} if args.smoke else "int4"
+    int4 = {"method": "int4", "group_size": 32} if cfg.smoke else "int4"
     rows: dict[str, Any] = {}
     base: list[list[int]] | None = None
-    for name, spec in spec_rows(model, args.k, int4).items():
-        if name not in args.spec.split(",") and name != "plain":
+    for name, spec in spec_rows(model, cfg.k, int4).items():
+        if name not in cfg.spec and name != "plain":
             continue
-        row, outs = spec_row(model, spec, ids, args.max_tokens)
+        row, outs = spec_row(model, spec, ids, cfg.max_tokens)
         if base is None:
             base = outs
         else:
@@ -230,11 +294,12 @@ def bench_kernels(
     return out
 
 
-def tiny_model_dir() -> Path:
-    """A tiny random Llama (hidden 64, 2 layers, vocabulary 128) for ``--smoke``."""
+def tiny_model_dir(root: Path) -> Path:
+    """A tiny random Llama (hidden 64, 2 layers, vocabulary 128) for ``smoke=true``, saved in
+    ``root / "tiny"``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    d = Path(tempfile.mkdtemp(prefix="bench_quant_")) / "tiny"
+    d = root / "tiny"
     cfg = LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=2,
@@ -244,63 +309,58 @@ def tiny_model_dir() -> Path:
     return d
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--decode", default=",".join(DECODE_ROWS), help=f"decode rows, of {list(DECODE_ROWS)}")
-    ap.add_argument(
-        "--spec",
-        default="ngram,quantized_self-int4,quantized_self-int4-g32-zero-point,quantized_self-int8,draft_model",
-    )
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--kernels", action="store_true", help="run the kernel microbenchmark instead")
-    ap.add_argument("--kernel-rows", default="1,5,16,128")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--bandwidth-gbs", type=float, default=None, help="read bandwidth (else measured)")
-    ap.add_argument("--out-dir", default=str(RESULTS))
-    ap.add_argument("--smoke", action="store_true", help="tiny random model, few tokens: checks the script")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def run(cfg: BenchQuantConfig) -> dict[str, Any]:
+    if not cfg.smoke:
+        return _run(cfg)
+    with tempfile.TemporaryDirectory(prefix="bench_quant_") as tmp:
+        tiny = str(tiny_model_dir(Path(tmp)))
+        smoke = dataclasses.replace(cfg, models=[tiny], max_tokens=6, num_prompts=2, kernel_rows=[1, 5])
+        return _run(smoke)
+
+
+def _run(cfg: BenchQuantConfig) -> dict[str, Any]:
     from specdec.memory import measure_read_bandwidth
 
-    out_dir = Path(args.out_dir)
-    if args.smoke:
-        args.models, args.max_tokens, args.num_prompts = str(tiny_model_dir()), 6, 2
-        args.kernel_rows = "1,5"
-    if args.kernels:
+    out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else RESULTS
+    if cfg.kernels:
         from specdec.memory import arch_config
 
         results: dict[str, Any] = {"threads": torch.get_num_threads(), "models": {}}
-        for model in args.models.split(","):
-            cfg = arch_config(model)
+        for model in cfg.models:
+            arch = arch_config(model)
             shapes = {
-                "lm_head": (cfg.vocab_size, cfg.hidden_size),
-                "gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
+                "lm_head": (arch.vocab_size, arch.hidden_size),
+                "gate_up_proj": (2 * arch.intermediate_size, arch.hidden_size),
             }
-            min_bytes = 1e6 if args.smoke else 256e6
-            rows = [int(r) for r in args.kernel_rows.split(",")]
-            results["models"][model] = bench_kernels(shapes, rows, 32 if args.smoke else 64, min_bytes)
-        if not args.smoke:
+            min_bytes = 1e6 if cfg.smoke else 256e6
+            results["models"][model] = bench_kernels(
+                shapes, cfg.kernel_rows, 32 if cfg.smoke else 64, min_bytes
+            )
+        if not cfg.smoke:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "quant_kernels.json").write_text(json.dumps(results, indent=2) + "\n")
         return results
     bandwidth = (
-        args.bandwidth_gbs * 1e9
-        if args.bandwidth_gbs
-        else measure_read_bandwidth(num_bytes=1 << 24 if args.smoke else 1 << 30)
+        cfg.bandwidth_gbs * 1e9
+        if cfg.bandwidth_gbs
+        else measure_read_bandwidth(num_bytes=1 << 24 if cfg.smoke else 1 << 30)
     )
     all_results: dict[str, Any] = {}
-    for model in args.models.split(","):
-        res = run_model(model, args, bandwidth)
+    for model in cfg.models:
+        res = run_model(model, cfg, bandwidth)
         all_results[model] = res
-        print(format_table(res))
-        if not args.smoke:
+        if not cfg.smoke:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"quant_{model}.json").write_text(json.dumps(res, indent=2) + "\n")
     return all_results
+
+
+def format_tables(results: dict[str, Any]) -> str:
+    """:func:`format_table` of every model (nothing after the kernel microbenchmark: it prints its rows
+    as it goes)."""
+    if "models" in results and "threads" in results:
+        return ""
+    return "\n\n".join(format_table(res) for res in results.values())
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -326,6 +386,10 @@ def format_table(res: dict[str, Any]) -> str:
         )
     return "\n".join(lines)
 
+
+#: ``main()``: Hydra's command line; ``main(["smoke=true"])``: compose, run, return the results (one
+#: entry per model; with ``kernels=true``: ``{"threads", "models"}``).
+main = benchmark("bench_quant", BenchQuantConfig, run, format_tables, device="cpu")
 
 if __name__ == "__main__":
     main()

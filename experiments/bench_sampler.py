@@ -7,18 +7,42 @@ row has the same parameters here so that transformers can process the batch at o
 takes different parameters per row at the same cost). Prefix: 256 prompt + 128 output tokens per row.
 
     python -m experiments.bench_sampler
+    python -m experiments.bench_sampler repeats=3 'vocab_sizes=[49152]' 'rows=[1,4,16]' out=sampler.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from experiments.harness import HarnessConfig, benchmark, require_positive, require_positive_list
 
-def _time(fn, repeats: int) -> float:
+
+@dataclass
+class BenchSamplerConfig(HarnessConfig):
+    """Attributes:
+    repeats: timed calls per figure (the best is kept, after one untimed call).
+    vocab_sizes: logits widths.
+    rows: batch rows per call.
+    """
+
+    repeats: int = 10
+    vocab_sizes: list[int] = field(default_factory=lambda: [49152, 151936])
+    rows: list[int] = field(default_factory=lambda: [1, 16])
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "repeats")
+        require_positive_list("vocab_sizes", self.vocab_sizes)
+        require_positive_list("rows", self.rows)
+
+
+def _time(fn: Callable[[], Any], repeats: int) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -59,7 +83,7 @@ def bench(vocab_size: int, rows: int, repeats: int = 10) -> dict[str, float]:
         ]
     )
 
-    def ours(gs=groups) -> None:
+    def ours(gs: list[Any] = groups) -> None:
         meta = build_sampling_metadata(gs, vocab_size)
         sample(process_logits(logits, meta), meta.greedy, [None] * rows)
 
@@ -76,16 +100,26 @@ def bench(vocab_size: int, rows: int, repeats: int = 10) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=10)
-    args = ap.parse_args()
-    for vocab in (49152, 151936):
-        for rows in (1, 16):
-            r = bench(vocab, rows, args.repeats)
+def run(cfg: BenchSamplerConfig) -> dict[str, Any]:
+    results = []
+    for vocab in cfg.vocab_sizes:
+        for rows in cfg.rows:
+            r: dict[str, Any] = bench(vocab, rows, cfg.repeats)
             r["hf_over_ours"] = r["hf_ms"] / r["ours_ms"]
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+            results.append(r)
+    return {"results": results}
 
+
+def format_table(result: dict[str, Any]) -> str:
+    """One JSON line per (vocabulary, rows), milliseconds rounded to 3 decimals."""
+    return "\n".join(
+        json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+        for r in result["results"]
+    )
+
+
+#: ``main()``: Hydra's command line; ``main(["repeats=3"])``: compose, run, return the result.
+main = benchmark("bench_sampler", BenchSamplerConfig, run, format_table, device="cpu")
 
 if __name__ == "__main__":
     main()

@@ -104,13 +104,14 @@ def suggest_keywords(owner: str, aliases: Mapping[str, str]) -> Callable[[_F], _
 def coerce_scalars(obj: object, float_fields: Sequence[str], int_fields: Sequence[str]) -> None:
     """Turn NumPy (or other ``numbers``) scalars in these fields into Python ``float`` / ``int``, so
     sweeps built from arrays work; anything else is left for validation to reject."""
+    plain = (float, int, bool, type(None))  # the common case, tested first: the ABC checks are slow
     for name in float_fields:
         v = getattr(obj, name)
-        if isinstance(v, numbers.Real) and not isinstance(v, (bool, float, int)):
+        if type(v) not in plain and isinstance(v, numbers.Real) and not isinstance(v, (bool, float, int)):
             setattr(obj, name, float(v))
     for name in int_fields:
         v = getattr(obj, name)
-        if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+        if type(v) not in plain and isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
             setattr(obj, name, int(v))
 
 

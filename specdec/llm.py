@@ -16,7 +16,14 @@ from sampling.beam_search import BeamSearchParams
 from sampling.params import SamplingParams, suggest_keywords
 from specdec.beam_search import BeamSearchOutput
 from specdec.beam_search import beam_search as run_beam_search
-from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_device, resolve_dtype
+from specdec.config import (
+    CacheConfig,
+    CompilationConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    resolve_device,
+    resolve_dtype,
+)
 from specdec.engine import LLMEngine
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.outputs import CompletionOutput, RequestOutput
@@ -78,6 +85,10 @@ class LLM:
             :mod:`specdec.quantization.linear`.
         kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` (one scale per token and KV head;
             attention by the reference backend).
+        compile: ``torch.compile`` the target's (and a draft model's) forward, everything but attention,
+            one graph per token bucket: False (eager, the reference), True, or a dict /
+            :class:`~specdec.config.CompilationConfig` (``buckets``, ``backend``). Each bucket compiles on
+            its first use; ``llm.engine.runner.compile_stats`` reports them. See :mod:`specdec.compilation`.
 
     Raises:
         UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.
@@ -104,6 +115,7 @@ class LLM:
         kv_cache_memory_bytes: int = 2 * 1024**3,
         quantization: Any = None,
         kv_cache_dtype: str = "auto",
+        compile: bool | dict | CompilationConfig = False,
     ) -> None:
         from specdec.drafters.heads import default_heads_name, resolve_heads_dir
         from specdec.drafters.registry import get_drafter
@@ -114,6 +126,7 @@ class LLM:
         spec = SpeculativeConfig.from_any(speculative_config)
         torch_dtype = resolve_dtype(dtype)
         quantization_config = QuantizationConfig.from_any(quantization)
+        compilation = CompilationConfig.from_any(compile)
         cache_config = CacheConfig(
             block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes, kv_cache_dtype
         )
@@ -141,6 +154,7 @@ class LLM:
             speculative_config=spec,
             draft_model_dir=draft_dir,
             quantization=quantization_config,
+            compilation=compilation,
         )
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = set(self.engine.model_cfg.eos_token_ids) | {self.tokenizer.eos_token_id}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,10 @@ from specdec.errors import ConfigError
 from specdec.models.decoder import DecoderLM
 from specdec.quantization.kv_cache import allocate_kv_caches, kv_bytes_per_token
 from specdec.scheduler import ScheduledRequest
+
+if TYPE_CHECKING:
+    from specdec.compilation.compiled_model import CompiledDecoder, CompileStats
+    from specdec.config import CompilationConfig
 
 
 @dataclass
@@ -57,43 +62,56 @@ class Segment:
 
 
 def build_inputs(segments: list[Segment], block_size: int, device: torch.device) -> ModelInputs:
-    """Flattened model inputs for ``segments``; slots come from each segment's block table."""
+    """Flattened model inputs for ``segments``; slots come from each segment's block table.
+
+    Vectorised over the batch (one ``torch.tensor`` per field, slots and rows by tensor arithmetic):
+    thousands of tiny requests per step stay cheap."""
     bs = block_size
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
-    logits_rows: list[int] = []
-    for seg in segments:
-        n, start, table = len(seg.token_ids), seg.start, seg.block_ids
-        input_ids.extend(seg.token_ids)
-        positions.extend(range(start, start + n) if seg.positions is None else seg.positions)
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        query_lens.append(n)
-        seq_lens.append(start + n)
-        logits_rows.extend(range(len(input_ids) - seg.num_logits, len(input_ids)))
+    num_segs = len(segments)
+    query_lens = [len(seg.token_ids) for seg in segments]
+    starts = [seg.start for seg in segments]
+    seq_lens = [st + n for st, n in zip(starts, query_lens)]
     max_blocks = max(len(seg.block_ids) for seg in segments)
-    block_table = torch.zeros(len(segments), max_blocks, dtype=torch.int64)
-    for i, seg in enumerate(segments):
-        block_table[i, : len(seg.block_ids)] = torch.tensor(seg.block_ids, dtype=torch.int64)
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
+    block_table = torch.tensor(
+        [seg.block_ids + [0] * (max_blocks - len(seg.block_ids)) for seg in segments], dtype=torch.int64
+    )
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    qsl = torch.zeros(num_segs + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=qsl[1:])
+    seg_of_token = torch.repeat_interleave(torch.arange(num_segs), q_lens)  # [T]
+    offsets = torch.arange(int(qsl[-1])) - qsl[seg_of_token]
+    consecutive = torch.tensor(starts, dtype=torch.int64)[seg_of_token] + offsets  # [T] cache positions
+    slots = block_table[seg_of_token, consecutive // bs] * bs + consecutive % bs
+    positions = consecutive
+    if any(seg.positions is not None for seg in segments):  # token trees: nodes share positions by depth
+        positions = consecutive.clone()
+        for seg, start in zip(segments, qsl.tolist()):
+            if seg.positions is not None:
+                positions[start : start + len(seg.positions)] = torch.tensor(seg.positions, dtype=torch.int64)
+    num_logits = torch.tensor([seg.num_logits for seg in segments], dtype=torch.int64)
+    seg_of_row = torch.repeat_interleave(torch.arange(num_segs), num_logits)  # [R]
+    row_starts = torch.cumsum(num_logits, 0) - num_logits
+    logits_rows = (
+        qsl[1:][seg_of_row]
+        - num_logits[seg_of_row]
+        + (torch.arange(len(seg_of_row)) - row_starts[seg_of_row])
+    )
     metadata = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
+        query_start_loc=qsl.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=slots.to(device),
         block_table=block_table.to(device),
         query_lens=query_lens,
         seq_lens_host=seq_lens,
         new_token_masks=None if all(s.mask is None for s in segments) else [s.mask for s in segments],
     )
     return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=torch.tensor(
+            [t for seg in segments for t in seg.token_ids], dtype=torch.int64, device=device
+        ),
+        positions=positions.to(device),
         metadata=metadata,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        logits_indices=logits_rows.to(device),
     )
 
 
@@ -149,6 +167,8 @@ class ModelRunner:
             default: Triton kernels on CUDA, the pure-torch reference elsewhere).
         kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` (see
             :mod:`specdec.quantization.kv_cache`).
+        compilation: compile the forward piecewise, one graph per token bucket (see
+            :mod:`specdec.compilation`); None runs the eager model.
     """
 
     def __init__(
@@ -158,6 +178,7 @@ class ModelRunner:
         block_size: int,
         attention: AttentionBackend | str | None = None,
         kv_cache_dtype: str = "auto",
+        compilation: CompilationConfig | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -169,6 +190,17 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             cfg, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype
         )
+        #: The forward run by :meth:`execute`: the model, or its compiled form.
+        self.forward: DecoderLM | CompiledDecoder = model
+        if compilation is not None:
+            from specdec.compilation.compiled_model import CompiledDecoder
+
+            self.forward = CompiledDecoder(model, compilation.buckets or (), compilation.backend)
+
+    @property
+    def compile_stats(self) -> CompileStats | None:
+        """Compilations and compiled/eager calls so far; None when the forward is not compiled."""
+        return getattr(self.forward, "stats", None)
 
     @staticmethod
     def kv_bytes_per_block(
@@ -202,7 +234,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """Run the forward; returns ``[R, vocab_size]`` float32 logits at ``inputs.logits_indices``."""
-        logits, _ = self.model(
+        logits, _ = self.forward(
             inputs.input_ids,
             inputs.positions,
             self.kv_caches,
@@ -216,7 +248,7 @@ class ModelRunner:
     def execute_with_hidden(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the forward; returns the logits ``[R, vocab_size]`` float32 at ``inputs.logits_indices``
         and the final-norm hidden states of every row ``[T, hidden_size]`` (for learned drafters)."""
-        return self.model(
+        return self.forward(
             inputs.input_ids,
             inputs.positions,
             self.kv_caches,

@@ -106,22 +106,31 @@ def _plan(
     if not short:
         return _Plan(prefills, None)
     m = len(short)
-    max_q = max(s[2] for s in short)
-    max_seq = max(s[3] for s in short)
-    idx = torch.tensor([s[0] for s in short], device=device)
-    blocks = metadata.block_table[idx, : -(-max_seq // block_size)]
-    rows = torch.cat([torch.arange(st, st + ql) for _, st, ql, _ in short]).to(device)
-    req_of_row = torch.cat([torch.full((ql,), i) for i, (_, _, ql, _) in enumerate(short)]).to(device)
-    pos_in_req = torch.cat([torch.arange(ql) for _, _, ql, _ in short]).to(device)
+    short_t = torch.tensor(short, dtype=torch.int64)  # [m, 4]: (b, start, q_len, seq_len)
+    q_lens, seq_lens = short_t[:, 2], short_t[:, 3]
+    max_q, max_seq = int(q_lens.max()), int(seq_lens.max())
+    blocks = metadata.block_table[short_t[:, 0].to(device), : -(-max_seq // block_size)]
+    req_of_row = torch.repeat_interleave(torch.arange(m), q_lens)  # [n]
+    row_starts = torch.cumsum(q_lens, 0) - q_lens  # [m] first flattened row of each request, among these
+    pos_in_req = torch.arange(len(req_of_row)) - row_starts[req_of_row]
+    rows = short_t[req_of_row, 1] + pos_in_req
     batch_mask: torch.Tensor | None = None
     if not (m == 1 and max_q == 1):
-        # mask[i, 0, r, j]: query r of request i may see key j.
-        batch_mask = mask = torch.zeros(m, 1, max_q, max_seq, dtype=torch.bool, device=device)
-        for i, (b, _, ql, sl) in enumerate(short):
-            ctx = sl - ql
-            mask[i, 0, :ql, :ctx] = True
-            mask[i, 0, :ql, ctx:sl] = _new_token_mask(ql, None if masks is None else masks[b], device)
-            mask[i, 0, ql:, 0] = True  # padding rows attend to something; their output is discarded
+        # mask[i, 0, r, j]: query r of request i may see key j. Causal: key j is visible to query r when
+        # j < context_len + r + 1; padding rows (r >= q_len) see key 0 only (their output is discarded).
+        r = torch.arange(max_q)[None, :, None]
+        j = torch.arange(max_seq)[None, None, :]
+        ctx = (seq_lens - q_lens)[:, None, None]
+        valid_row = r < q_lens[:, None, None]
+        mask = (j <= ctx + r) & valid_row
+        mask |= ~valid_row & (j == 0)
+        if masks is not None:
+            for i, (b, _, ql, sl) in enumerate(short):
+                if masks[b] is not None:  # a tree attention mask among the new tokens
+                    c = sl - ql
+                    mask[i, :ql, c:sl] = _new_token_mask(ql, masks[b], device)
+        batch_mask = mask.unsqueeze(1).to(device)
+    rows, req_of_row, pos_in_req = rows.to(device), req_of_row.to(device), pos_in_req.to(device)
     return _Plan(prefills, _Batched(rows, req_of_row, pos_in_req, blocks, max_q, max_seq, batch_mask))
 
 

@@ -26,7 +26,7 @@ import torch
 from specdec.request import Request
 
 if TYPE_CHECKING:
-    from specdec.config import SpeculativeConfig
+    from specdec.config import CompilationConfig, SpeculativeConfig
     from specdec.models.decoder import DecoderLM
 
 
@@ -82,6 +82,8 @@ class DrafterContext:
         dtype: the drafter's dtype (``config.draft_dtype`` or the target's).
         device: where the target runs.
         generator: the engine's generator, for requests without a seed.
+        compilation: how the engine compiles its target (None: eager); a drafter with a model of its
+            own compiles it the same way (the draft model does).
     """
 
     target: DecoderLM
@@ -90,6 +92,7 @@ class DrafterContext:
     dtype: torch.dtype
     device: torch.device
     generator: torch.Generator
+    compilation: CompilationConfig | None = None
 
     @property
     def vocab_size(self) -> int:

@@ -88,13 +88,14 @@ class DraftModelDrafter(DrafterBase):
         self.vocab_size = ctx.vocab_size
         self.block_size = 0
         self.generator = ctx.generator
+        self.compilation = ctx.compilation
         self.states: RequestStates[_DraftKV] = RequestStates(_DraftKV)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return ModelRunner.kv_bytes_per_block(self.model, block_size, next(self.model.parameters()).dtype)
 
     def bind_kv(self, num_blocks: int, block_size: int) -> None:
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, compilation=self.compilation)
         self.block_size = block_size
 
     def reset(self, request: Request) -> None:

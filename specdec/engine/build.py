@@ -10,19 +10,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
+from specdec.config import CacheConfig, CompilationConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
 from specdec.drafters.base import Drafter, DrafterContext
 from specdec.drafters.registry import build_drafter, get_drafter
-from specdec.kv_cache.manager import cdiv
+from specdec.kv_cache.manager import KVCacheManager, cdiv
 from specdec.model_runner import ModelRunner
 from specdec.models.config import ModelArchConfig
+from specdec.models.cpu_linear import use_gemv_linears
 from specdec.models.decoder import DecoderLM
 from specdec.models.loader import load_model
-from specdec.models.packed_linear import PackedLinear, pack_linears
+from specdec.models.packed_linear import pack_linears
 from specdec.quantization.config import QuantizationConfig
+from specdec.scheduler import Scheduler
 
 
 @dataclass
@@ -60,6 +63,7 @@ def build_engine_parts(
     speculative_config: SpeculativeConfig | None,
     draft_model_dir: str | Path | None,
     quantization: QuantizationConfig | None,
+    compilation: CompilationConfig | None = None,
 ) -> EngineParts:
     """Load (or take) the target, build the drafter, size the KV pool and pack the linears.
 
@@ -86,7 +90,7 @@ def build_engine_parts(
     drafter = None
     if spec is not None:
         draft_dtype = resolve_dtype(spec.draft_dtype or dtype)
-        ctx = DrafterContext(model, spec, model_dir_of_drafter, draft_dtype, device, generator)
+        ctx = DrafterContext(model, spec, model_dir_of_drafter, draft_dtype, device, generator, compilation)
         drafter = build_drafter(ctx)
     bs = cache_config.block_size
     num_blocks = cache_config.num_kv_blocks
@@ -98,12 +102,28 @@ def build_engine_parts(
         num_blocks = max(1, min(wanted, cache_config.kv_cache_memory_bytes // per_block))
     if drafter is not None:
         drafter.bind_kv(num_blocks, bs)
-    runner = ModelRunner(model, num_blocks, bs, kv_cache_dtype=cache_config.kv_cache_dtype)
-    # bfloat16 on the CPU: weights pre-packed for oneDNN (faster decode, identical outputs). Last, so
-    # that drafters built from the target's weights (quantized_self) read them in their dense form.
-    packed: dict[int, PackedLinear] = {}  # modules a draft model shares with the target pack once
-    pack_linears(model, packed)
+    # Last, so that drafters built from the target's weights (quantized_self) read them in their dense
+    # form: few-row products through the CPU GEMV kernel where it builds, else bfloat16 linears
+    # pre-packed for oneDNN (eager only: inductor cannot trace packed weights, and freezes its own).
+    memo: dict[int, Any] = {}  # modules a draft model shares with the target are swapped once
     draft_model = getattr(drafter, "model", None)
-    if isinstance(draft_model, DecoderLM):
-        pack_linears(draft_model, packed)
+    for m in (model, draft_model) if isinstance(draft_model, DecoderLM) else (model,):
+        if use_gemv_linears(m, memo) == 0 and compilation is None:
+            pack_linears(m, memo)
+    runner = ModelRunner(
+        model, num_blocks, bs, kv_cache_dtype=cache_config.kv_cache_dtype, compilation=compilation
+    )
     return EngineParts(model, cfg, drafter, max_model_len, num_blocks, runner, generator)
+
+
+def build_scheduler(
+    parts: EngineParts,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    spec: SpeculativeConfig | None,
+) -> tuple[KVCacheManager, Scheduler]:
+    """The block manager over ``parts.num_kv_blocks`` blocks and the scheduler that reserves, per
+    drafting request and step, ``spec.num_draft_slots`` KV slots (k for chains, the tree size for trees)."""
+    kv = KVCacheManager(parts.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+    k, slots = (spec.num_speculative_tokens, spec.num_draft_slots) if spec else (0, 0)
+    return kv, Scheduler(scheduler_config, kv, parts.max_model_len, k, slots)

@@ -19,21 +19,20 @@ import torch
 
 from sampling.params import SamplingParams
 from sampling.verifier import SpeculativeVerifier, Verifier
-from specdec.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from specdec.config import CacheConfig, CompilationConfig, SchedulerConfig, SpeculativeConfig
 from specdec.drafters.base import Drafter
 from specdec.engine import faults
 from specdec.engine.admission import GrammarAdmission, validate_request
-from specdec.engine.build import EngineParts, build_engine_parts
+from specdec.engine.build import EngineParts, build_engine_parts, build_scheduler
 from specdec.engine.commit import commit_all
 from specdec.engine.proposals import propose_drafts
 from specdec.engine.verification import emitted_logprobs, process_rows, sample_or_verify
 from specdec.errors import InvalidRequestError
-from specdec.kv_cache.manager import KVCacheManager
 from specdec.metrics import SpecStats
 from specdec.models.decoder import DecoderLM
 from specdec.quantization.config import QuantizationConfig
 from specdec.request import Request, RequestStatus
-from specdec.scheduler import ScheduledRequest, Scheduler
+from specdec.scheduler import ScheduledRequest
 
 if TYPE_CHECKING:
     from grammars.base import GrammarBackend
@@ -59,19 +58,19 @@ class LLMEngine:
             which it takes).
         quantization: weight-only quantization of the target (see :mod:`specdec.quantization`); None: none.
             ``cache_config.kv_cache_dtype`` sets the target's KV cache dtype.
+        compilation: ``torch.compile`` of the target's and a draft model's forward (see
+            :mod:`specdec.compilation`); None: eager.
 
     Raises:
         InvalidRequestError: the draft model's vocabulary differs from the target's (checked from the
             configs, before any weights are loaded), and the other checks of the drafter's entry.
 
-    Faults: a fault that concerns one request ends that request alone (see :mod:`specdec.engine.faults`
-    for the list); errors that cannot be pinned on one request (the target forward) propagate from
-    :meth:`step`.
+    Faults: a fault of one request ends that request alone (:mod:`specdec.engine.faults` lists them);
+    one that cannot be pinned on a request (the target forward) propagates from :meth:`step`.
 
     Test seam: :attr:`fault_injector`, when set, is called after every target forward with the step's
-    scheduled requests and the logits ``[R, vocab_size]`` (float32, writable in place under
-    ``torch.inference_mode``; rows per request from :func:`~specdec.engine.verification.logits_rows`),
-    e.g. to write NaN into one request's rows. It costs one attribute test per step when unset.
+    scheduled requests and the writable float32 logits ``[R, vocab_size]`` (rows per request from
+    :func:`~specdec.engine.verification.logits_rows`), e.g. to write NaN into one request's rows.
     """
 
     #: See "Test seam" above; None in normal use.
@@ -89,19 +88,11 @@ class LLMEngine:
         speculative_config: SpeculativeConfig | None = None,
         draft_model_dir: str | Path | None = None,
         quantization: QuantizationConfig | None = None,
+        compilation: CompilationConfig | None = None,
     ) -> None:
-        parts = build_engine_parts(
-            model_dir,
-            dtype,
-            device,
-            cache_config,
-            scheduler_config,
-            seed,
-            model,
-            speculative_config,
-            draft_model_dir,
-            quantization,
-        )
+        parts = build_engine_parts(model_dir, dtype, device, cache_config, scheduler_config, seed, model,
+                                   speculative_config, draft_model_dir, quantization,
+                                   compilation)  # fmt: skip
         self._init_from_parts(parts, cache_config, scheduler_config, speculative_config)
 
     @classmethod
@@ -137,15 +128,10 @@ class LLMEngine:
         self.drafter: Drafter | None = parts.drafter
         #: Verifies drafts (chains and trees); assignable, e.g. to a negative control.
         self.verifier: Verifier = SpeculativeVerifier()
-        self.kv = KVCacheManager(
-            parts.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-        )
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         #: KV slots a drafting request reserves per step (k for chains, the tree size for trees).
         self.num_draft_slots = spec.num_draft_slots if spec else 0
-        self.scheduler = Scheduler(
-            scheduler_config, self.kv, self.max_model_len, self.num_speculative_tokens, self.num_draft_slots
-        )
+        self.kv, self.scheduler = build_scheduler(parts, cache_config, scheduler_config, spec)
         self.spec_stats: SpecStats | None = None
         self.reset_spec_stats()
         self._arrivals = itertools.count()
@@ -259,10 +245,7 @@ class LLMEngine:
         logger.warning("request %s ended by a fault: %s", req.request_id, message)
         req.error = message
         if scrub_kv:
-            pool = self.kv.pool
-            private = [b for b in req.block_ids[req.num_cached_blocks :] if pool.blocks[b].ref_count == 1]
-            if private:
-                faults.zero_blocks(self.runner.kv_caches, private, self.num_kv_blocks)
+            faults.scrub_private_blocks(req, self.kv.pool, self.runner.kv_caches, self.num_kv_blocks)
         req.stats.finished_time = time.perf_counter()
         self.finish(req, RequestStatus.FINISHED_ERROR)
         self._num_faults += 1

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from specdec.kv_cache.block_pool import BlockPool
+    from specdec.request import Request
 
 logger = logging.getLogger("specdec.engine")
 
@@ -66,6 +70,14 @@ def run_isolated(
             continue
         out.append((item, result))
     return out
+
+
+def scrub_private_blocks(req: Request, pool: BlockPool, caches: object, num_blocks: int) -> None:
+    """Zero the K/V of the blocks only ``req`` holds (its uncached blocks with reference count 1), so that
+    NaN or infinity its forward wrote cannot reach a later request through stale (masked) slots."""
+    private = [b for b in req.block_ids[req.num_cached_blocks :] if pool.blocks[b].ref_count == 1]
+    if private:
+        zero_blocks(caches, private, num_blocks)
 
 
 def zero_blocks(caches: object, block_ids: list[int], num_blocks: int) -> None:

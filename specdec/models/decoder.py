@@ -11,6 +11,8 @@ logits only at the rows asked for.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -144,10 +146,32 @@ class DecoderLM(nn.Module):
             hidden states (the features learned drafters read): ``[R, hidden_size]`` at the logits rows,
             or ``[T, hidden_size]`` at every row when ``all_hidden``.
         """
+        hidden = self.layer_stack(input_ids, positions, kv_caches, metadata, attention)
+        return self.final(hidden, logits_indices, all_hidden)
+
+    def layer_stack(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        attention: AttentionBackend | Sequence[AttentionBackend],
+    ) -> torch.Tensor:
+        """Embedding, RoPE and every decoder layer: the residual stream ``[T, hidden_size]`` before the
+        final norm. ``attention`` is one backend for every layer, or one per layer (the compiled forward
+        of :mod:`specdec.compilation` passes per-layer custom-op calls, with no caches or metadata)."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, hidden.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, k_cache, v_cache, metadata, attention)
+        per_layer = attention if isinstance(attention, Sequence) else [attention] * len(self.layers)
+        for layer, (k_cache, v_cache), attn in zip(self.layers, kv_caches, per_layer):
+            hidden = layer(hidden, cos, sin, k_cache, v_cache, metadata, attn)
+        return hidden
+
+    def final(
+        self, hidden: torch.Tensor, logits_indices: torch.Tensor | None, all_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm and LM head on the residual stream ``hidden`` ``[T, hidden_size]``; see
+        :meth:`forward` for ``logits_indices``, ``all_hidden`` and the returned shapes."""
         if all_hidden:
             hidden = self.norm(hidden)
             rows = hidden if logits_indices is None else hidden[logits_indices]

@@ -13,7 +13,7 @@ Two ways to compute ``x @ dequantize(W).T + b``:
 Which path runs, and why (``kernel="auto"``). Measured with one thread on this project's 2-core CPU
 (shared with other jobs while measured, so indicative only; the ratios were stable across reruns),
 milliseconds per call, weights cycled through enough copies to defeat the caches (``python -m
-experiments.bench_quant --kernels`` reruns it):
+experiments.bench_quant kernels=true`` reruns it):
 
 ==========================  =====  =========  ========  =========  ========
 shape, dtype, rows          dense  int8 pack  int8 ref  int4 pack  int4 ref

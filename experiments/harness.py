@@ -1,0 +1,576 @@
+"""Running a benchmark: a typed config, a Hydra entry point, the shared measurements and provenance.
+
+Each ``experiments/bench_<name>.py`` script (engine, spec, sampler, drafters, grammar, quant) is a
+docstring, a config dataclass subclassing :class:`HarnessConfig` (its options as typed fields, checked
+once in ``validate()``), ``run(cfg) -> dict``, a table formatter and ``main = benchmark(...)``.
+:func:`benchmark` stores the config in Hydra's ConfigStore (node ``bench_<name>``) and returns
+``main``:
+
+- ``main()`` (``python -m experiments.bench_<name> key=value ...``) is a ``@hydra.main`` entry point:
+  ``--help``, ``--cfg job``, ``-m`` sweeps (``-m max_tokens=32,64``); the run directory Hydra makes is
+  ``experiments/results/runs/<node>/<date>/<time>`` (sweeps: ``.../<node>/multirun/<date>/<time>/<job>``,
+  git-ignored), and the job does not change directory;
+- ``main(["dtype=float32", "batch_sizes=[1,4]"])`` composes the same config with Hydra's compose API
+  (tests, notebooks) and returns the result.
+
+Either way a misspelt key or a value of the wrong type fails while composing, naming the key, and
+``validate()`` raises :class:`specdec.errors.ConfigError` before any model loads. Then the harness sets
+``threads`` (torch intra-op threads, restored afterwards) and ``seed``, runs, prints the table (a
+``key  value`` listing without a formatter), adds ``run_info`` (git commit, package versions, seeds,
+device, torch threads, command line, Hydra overrides, the config: :func:`experiments.tracking.run_info`)
+to the result and writes it as JSON to ``out`` when set.
+
+Measurements, one function each, shared by the scripts and ``experiments/bench.py``:
+
+- specdec: :func:`warm_up`, :func:`time_batch1` (each prompt alone, prefix cache reset),
+  :func:`time_together` (one batch), :func:`measure_batch1` (an ``LLM`` built, warmed up and timed at
+  batch 1), :func:`spec_stats_fields` (τ, acceptance, draft and verify time);
+- transformers: :class:`ForwardCounter`, :func:`hf_generate` (one prompt), :func:`hf_batch1` (each
+  prompt alone), :func:`hf_static_batch` / :func:`time_hf_static_batch` (a left-padded batch),
+  :func:`hf_assistant` (an assistant model with a fixed k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import json
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from specdec.errors import ConfigError
+
+#: Hydra's run and sweep directories (git-ignored), one folder per benchmark.
+RUNS = Path(__file__).resolve().parent / "results" / "runs"
+#: ``--help``: the script's docstring and its config (a benchmark has no config groups).
+HELP_TEMPLATE = """${hydra.help.header}
+== Config ==
+Override any key (key=value, lists as 'key=[a,b]'); sweep with -m (key=a,b).
+
+$CONFIG
+${hydra.help.footer}"""
+
+
+# ------------------------------------------------------------------------------------------ config
+@dataclass
+class HarnessConfig:
+    """What every benchmark takes.
+
+    Attributes:
+        out: write the result (with ``run_info``) as JSON here.
+        threads: torch intra-op threads during the run (None: torch's own setting).
+        seed: ``torch.manual_seed`` and ``random.seed`` before the run.
+    """
+
+    out: str | None = None
+    threads: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Check the values (subclasses extend it).
+
+        Raises:
+            ConfigError: a value out of range; the message names the key.
+        """
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 or null, got {self.threads}")
+
+
+def require_positive(cfg: Any, *keys: str) -> None:
+    """``ConfigError`` unless every ``cfg.<key>`` is >= 1."""
+    for key in keys:
+        value = getattr(cfg, key)
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+
+
+def require_positive_list(key: str, values: Sequence[int]) -> None:
+    """``ConfigError`` unless ``values`` is a non-empty list of integers >= 1."""
+    if not values or any(v < 1 for v in values):
+        raise ConfigError(f"{key} must list integers >= 1, got {list(values)}")
+
+
+def require_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
+    """``ConfigError`` unless ``value`` is one of ``choices``."""
+    options = list(choices)
+    if value not in options:
+        raise ConfigError(f"{key} must be one of {options}, got {value!r}")
+
+
+def require_subset(key: str, values: Sequence[str], choices: Iterable[str]) -> None:
+    """``ConfigError`` unless ``values`` is a non-empty subset of ``choices`` (the message lists them)."""
+    options = list(choices)
+    unknown = [v for v in values if v not in options]
+    if unknown or not values:
+        detail = f" (unknown: {unknown})" if unknown else ""
+        raise ConfigError(f"{key} must be a non-empty subset of {options}, got {list(values)}{detail}")
+
+
+# ----------------------------------------------------------------------------------------- harness
+C = TypeVar("C", bound=HarnessConfig)
+
+
+def key_values(result: dict[str, Any]) -> str:
+    """``key  value`` lines, keys padded to one width, floats to 3 decimals."""
+    width = max((len(k) for k in result), default=0)
+    return "\n".join(
+        f"{k:{width}s}  {v:.3f}" if isinstance(v, float) else f"{k:{width}s}  {v}" for k, v in result.items()
+    )
+
+
+class Benchmark(Generic[C]):
+    """One benchmark: its Hydra node, config class, run function and table (see the module docstring).
+
+    Call it with override strings to compose and run from Python, or without arguments to run Hydra's
+    command line (``sys.argv``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config_cls: type[C],
+        run: Callable[[C], dict[str, Any]],
+        table: Callable[[dict[str, Any]], str] | None = None,
+        device: str | None = None,
+        doc: str | None = None,
+    ) -> None:
+        self.name = name
+        self.config_cls = config_cls
+        self.run = run
+        self.table = table
+        self.device = device
+        module = inspect.getmodule(run)
+        self.doc = doc if doc is not None else (module.__doc__ if module is not None else None) or ""
+        self.register()
+
+    # -------------------------------------------------------------------------------- Hydra node
+    def hydra_settings(self) -> dict[str, Any]:
+        """The ``hydra:`` section of the node: run and sweep directories under :data:`RUNS`, no chdir,
+        the job named after the node, the script's docstring in ``--help``."""
+        runs = RUNS / self.name
+        stamp = "${now:%Y-%m-%d}/${now:%H-%M-%S}"
+        header = self.doc.strip().replace("${", "\\${")
+        return {
+            "run": {"dir": f"{runs}/{stamp}"},
+            "sweep": {"dir": f"{runs}/multirun/{stamp}", "subdir": "${hydra.job.num}"},
+            "job": {"name": self.name, "chdir": False},
+            "help": {"app_name": self.name, "header": f"{self.name}: {header}\n", "template": HELP_TEMPLATE},
+        }
+
+    def register(self) -> None:
+        """Store ``<name>_schema`` (the dataclass) and ``<name>`` (the schema plus the ``hydra:``
+        section) in the ConfigStore (idempotent)."""
+        from hydra.core.config_store import ConfigStore
+
+        cs = ConfigStore.instance()
+        cs.store(name=f"{self.name}_schema", node=self.config_cls)
+        cs.store(
+            name=self.name,
+            node={"defaults": [f"{self.name}_schema", "_self_"], "hydra": self.hydra_settings()},
+        )
+
+    # ---------------------------------------------------------------------------------- configs
+    def to_config(self, dcfg: Any) -> C:
+        """The composed ``DictConfig`` as the dataclass, validated."""
+        from omegaconf import OmegaConf
+
+        obj = OmegaConf.to_object(dcfg)
+        if not isinstance(obj, self.config_cls):
+            raise TypeError(f"expected a {self.config_cls.__name__} composed from {self.name!r}, got {obj!r}")
+        obj.validate()
+        return obj
+
+    def config(self, overrides: Sequence[str] = ()) -> C:
+        """Compose ``overrides`` (``["max_tokens=64", "batch_sizes=[1,4]"]``) with Hydra's compose API.
+
+        Raises:
+            ConfigError: an unknown key or a value of the wrong type (the message names the key and lists
+                the keys), or a value ``validate()`` rejects.
+        """
+        from hydra import compose, initialize
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.errors import ConfigCompositionException
+
+        self.register()
+        try:
+            if GlobalHydra.instance().is_initialized():
+                dcfg = compose(config_name=self.name, overrides=list(overrides))
+            else:
+                with initialize(version_base=None, config_path=None):
+                    dcfg = compose(config_name=self.name, overrides=list(overrides))
+        except ConfigCompositionException as e:
+            # Hydra's message, then its cause's (``Key 'max_token' not in ...``), less the hint to append
+            # with ``+key=``, which a typed config refuses.
+            lines = str(e).splitlines()
+            if e.__cause__ is not None:
+                lines += str(e.__cause__).splitlines()
+            lines = [line for line in lines if not line.startswith("To append to your config")]
+            keys = [f.name for f in dataclasses.fields(self.config_cls)]
+            raise ConfigError("\n".join([f"{self.name}: {lines[0]}", *lines[1:], f"keys: {keys}"])) from e
+        return self.to_config(dcfg)
+
+    # -------------------------------------------------------------------------------------- run
+    def execute(self, cfg: C) -> dict[str, Any]:
+        """Run ``cfg`` (already validated): threads and seed, run, table, ``run_info``, JSON."""
+        from experiments.tracking import pick_device, run_info
+
+        threads_before = torch.get_num_threads()
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        try:
+            random.seed(cfg.seed)
+            torch.manual_seed(cfg.seed)
+            info = run_info({"torch": cfg.seed, "random": cfg.seed}, self.device or pick_device(None))
+            info["benchmark"] = self.name
+            info["config"] = dataclasses.asdict(cfg)
+            result = self.run(cfg)
+        finally:
+            torch.set_num_threads(threads_before)
+        text = self.table(result) if self.table is not None else key_values(result)
+        if text:
+            print(text, flush=True)
+        result["run_info"] = info
+        if cfg.out:
+            out = Path(cfg.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        return result
+
+    def cli(self) -> dict[str, Any]:
+        """Hydra's command line on ``sys.argv``; each job also writes its result to ``result.json`` in
+        its Hydra run directory. Returns the result of a single run (of an in-process sweep:
+        ``{"runs": [results]}``)."""
+        import hydra
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import DictConfig
+
+        self.register()
+        results: list[dict[str, Any]] = []
+
+        def task(dcfg: DictConfig) -> None:
+            try:
+                cfg = self.to_config(dcfg)
+            except ConfigError as e:
+                raise SystemExit(f"{self.name}: {e}") from None
+            result = self.execute(cfg)
+            run_dir = Path(HydraConfig.get().runtime.output_dir)
+            (run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+            results.append(result)
+
+        hydra.main(version_base=None, config_path=None, config_name=self.name)(task)()
+        return results[0] if len(results) == 1 else {"runs": results}
+
+    def __call__(self, overrides: Sequence[str] | None = None) -> dict[str, Any]:
+        """``overrides`` None: Hydra's command line (``sys.argv``); else compose them and run."""
+        if overrides is None:
+            return self.cli()
+        return self.execute(self.config(overrides))
+
+
+def benchmark(
+    name: str,
+    config_cls: type[C],
+    run: Callable[[C], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str] | None = None,
+    device: str | None = None,
+) -> Benchmark[C]:
+    """Register ``config_cls`` as Hydra node ``name`` and return the benchmark's ``main``.
+
+    Args:
+        run: ``run(cfg) -> result``; the harness adds ``run_info`` to the result.
+        table: ``table(result) -> str``, printed after the run (None: a ``key  value`` listing).
+        device: the device recorded in ``run_info`` (None: CUDA when available, else the CPU, as
+            ``specdec.LLM`` picks).
+    """
+    return Benchmark(name, config_cls, run, table, device)
+
+
+# ---------------------------------------------------------------------------------- measurements
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for CUDA work (of ``device``; None: whenever CUDA is in use) before reading a clock."""
+    if device is None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    elif torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    """Collect garbage and release CUDA's cached blocks (between models)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Timed:
+    """A timed generation: new token ids per request, wall-clock seconds, per-request metrics
+    (specdec's ``RequestOutput.metrics``) and target forwards after the prefills (transformers)."""
+
+    outputs: list[list[int]]
+    time_s: float
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    forwards: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s
+
+
+def warm_up(llm: Any, prompt: Sequence[int]) -> None:
+    """One greedy 4-token request (builds lazy state, fills allocator caches) before timing."""
+    from sampling.params import SamplingParams
+
+    llm.generate([{"prompt_token_ids": list(prompt)}], SamplingParams(temperature=0.0, max_tokens=4))
+
+
+def time_batch1(
+    llm: Any, prompts: Sequence[Sequence[int]], params: Any, reset_prefix_cache: bool = True
+) -> Timed:
+    """specdec at batch 1: each prompt alone, in order, timed one request at a time.
+
+    Args:
+        params: one ``SamplingParams`` for all, or one per prompt.
+        reset_prefix_cache: empty the prefix cache before each request (no prompt reuses another's
+            blocks).
+
+    The speculative counters are reset first, so ``llm.engine.spec_stats`` then covers exactly these
+    requests (see :func:`spec_stats_fields`).
+    """
+    per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    llm.engine.reset_spec_stats()
+    outputs: list[list[int]] = []
+    metrics: list[dict[str, Any]] = []
+    elapsed = 0.0
+    for p, sp in zip(prompts, per_prompt, strict=True):
+        if reset_prefix_cache:
+            llm.engine.kv.pool.reset_prefix_cache()
+        sync()
+        t = time.perf_counter()
+        (o,) = llm.generate([{"prompt_token_ids": list(p)}], sp)
+        sync()
+        elapsed += time.perf_counter() - t
+        outputs.append(list(o.outputs[0].token_ids))
+        metrics.append(dict(o.metrics))
+    return Timed(outputs, elapsed, metrics)
+
+
+def time_together(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> Timed:
+    """specdec on every prompt submitted at once (one ``generate`` call, continuous batching), timed as
+    one call, the prefix cache and speculative counters reset first."""
+    llm.engine.reset_spec_stats()
+    llm.engine.kv.pool.reset_prefix_cache()
+    sync()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
+    sync()
+    elapsed = time.perf_counter() - t
+    return Timed([list(o.outputs[0].token_ids) for o in outs], elapsed, [dict(o.metrics) for o in outs])
+
+
+def spec_stats_fields(llm: Any) -> dict[str, Any]:
+    """The speculative counters since the last reset: ``tau`` (tokens per target forward),
+    ``acceptance_rate``, ``acceptance_per_position`` (the fraction of draft steps whose draft at depth i
+    was accepted), ``draft_tokens_per_step``, ``draft_time_s``, ``verify_time_s``; empty without a
+    draft step (plain decoding)."""
+    stats = llm.engine.spec_stats
+    if stats is None or not stats.num_drafts:
+        return {}
+    return {
+        "tau": stats.mean_acceptance_length,
+        "acceptance_rate": stats.acceptance_rate,
+        "acceptance_per_position": [n / stats.num_drafts for n in stats.accepted_per_position],
+        "draft_tokens_per_step": stats.num_draft_tokens / stats.num_drafts,
+        "draft_time_s": stats.draft_time_s,
+        "verify_time_s": stats.verify_time_s,
+    }
+
+
+def measure_batch1(
+    model: str | Path,
+    spec: dict[str, Any] | None,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    *,
+    dtype: str,
+    ignore_eos: bool = False,
+    warmup: Sequence[int] | None = None,
+    **llm_kwargs: Any,
+) -> tuple[dict[str, Any], Timed]:
+    """Greedy batch-1 generation of every prompt by a fresh ``LLM(model, dtype, speculative_config=spec,
+    **llm_kwargs)``: warm-up (``warmup``, default the first prompt), then :func:`time_batch1`.
+
+    Returns:
+        ``({"tokens", "time_s", "tokens_per_s", **spec_stats_fields}, the Timed run)``.
+    """
+    from sampling.params import SamplingParams
+    from specdec import LLM
+
+    llm = LLM(str(model), dtype=dtype, speculative_config=spec, **llm_kwargs)
+    warm_up(llm, prompts[0] if warmup is None else warmup)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    timed = time_batch1(llm, prompts, sp)
+    row: dict[str, Any] = {"tokens": timed.tokens, "time_s": timed.time_s, "tokens_per_s": timed.tokens_per_s}
+    row.update(spec_stats_fields(llm))
+    del llm
+    free_memory()
+    return row, timed
+
+
+# --------------------------------------------------------------------------------- transformers
+class ForwardCounter:
+    """Counts a transformers model's forward calls (each verification or decode step is one)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, *args: Any) -> None:
+        self.calls += 1
+
+
+def hf_generate(
+    model: Any,
+    prompt: list[int],
+    max_tokens: int,
+    counter: ForwardCounter,
+    ignore_eos: bool = False,
+    **kwargs: Any,
+) -> tuple[list[int], float, int]:
+    """Greedy ``generate`` of one prompt; returns (new tokens, seconds, target forwards after the
+    prefill)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    if ignore_eos:
+        kwargs["min_new_tokens"] = max_tokens
+    counter.calls = 0
+    sync(device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, **kwargs
+        )
+    sync(device)
+    elapsed = time.perf_counter() - t
+    return out[0, len(prompt) :].tolist(), elapsed, max(counter.calls - 1, 1)
+
+
+def hf_batch1(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    counter: ForwardCounter,
+    ignore_eos: bool = False,
+    **kwargs: Any,
+) -> Timed:
+    """transformers at batch 1: :func:`hf_generate` on each prompt alone; ``forwards`` sums the target
+    forwards after each prefill (τ = (tokens − prompts) ÷ forwards: the prefill emits the first token)."""
+    outputs: list[list[int]] = []
+    elapsed, forwards = 0.0, 0
+    for p in prompts:
+        new, secs, fw = hf_generate(model, list(p), max_tokens, counter, ignore_eos, **kwargs)
+        outputs.append(new)
+        elapsed += secs
+        forwards += fw
+    return Timed(outputs, elapsed, forwards=forwards)
+
+
+def hf_static_batch(
+    model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, pad_id: int, ignore_eos: bool
+) -> tuple[int, float]:
+    """transformers greedy ``generate`` on one left-padded static batch; returns (tokens, seconds),
+    counting each row's tokens up to its EOS (or all of them with ``ignore_eos``)."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(list(p))
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kwargs: dict[str, Any] = {"min_new_tokens": max_tokens} if ignore_eos else {}
+    sync(device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            **kwargs,
+        )
+    sync(device)
+    elapsed = time.perf_counter() - t
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None and not ignore_eos else set()
+    tokens = 0
+    for row in out[:, width:].tolist():
+        n = len(row)
+        for j, tok in enumerate(row):
+            if tok in eos_ids:
+                n = j + 1
+                break
+        tokens += n
+    return tokens, elapsed
+
+
+def time_hf_static_batch(
+    model: Any, prompts: Sequence[Sequence[int]], max_tokens: int, pad_id: int, ignore_eos: bool
+) -> tuple[int, float]:
+    """:func:`hf_static_batch` after a warm-up on the prompts' first 8 tokens (4 new tokens)."""
+    hf_static_batch(model, [list(p)[:8] for p in prompts], 4, pad_id, False)
+    return hf_static_batch(model, prompts, max_tokens, pad_id, ignore_eos)
+
+
+def hf_assistant(model_dir: str | Path, dtype: torch.dtype, k: int, device: str | None = None) -> Any:
+    """A transformers assistant (draft) model proposing a fixed ``k`` tokens per step, as specdec's
+    draft model does (transformers otherwise adapts the number of assistant tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    assistant: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    if device is not None:
+        assistant = assistant.to(torch.device(device))
+    assistant = assistant.eval()
+    assistant.generation_config.num_assistant_tokens = k
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return assistant
+
+
+__all__ = [
+    "RUNS",
+    "Benchmark",
+    "ForwardCounter",
+    "HarnessConfig",
+    "Timed",
+    "benchmark",
+    "free_memory",
+    "hf_assistant",
+    "hf_batch1",
+    "hf_generate",
+    "hf_static_batch",
+    "key_values",
+    "measure_batch1",
+    "require_choice",
+    "require_positive",
+    "require_positive_list",
+    "require_subset",
+    "spec_stats_fields",
+    "sync",
+    "time_batch1",
+    "time_hf_static_batch",
+    "time_together",
+    "warm_up",
+]

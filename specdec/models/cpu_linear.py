@@ -1,0 +1,59 @@
+"""Linear layers whose few-row products (decode, verification) run the CPU GEMV kernel.
+
+:class:`GemvLinear` keeps the dense weight and sends inputs of at most
+:data:`kernels.cpu_gemv.MAX_ROWS` rows to :func:`kernels.cpu_gemv.gemv` (which falls back to ``F.linear``
+where the kernel does not build); wider inputs (prefill chunks) go to ``F.linear``. See
+:mod:`kernels.cpu_gemv` for the figures. ``SPECDEC_CPU_GEMV=0`` keeps plain ``nn.Linear`` (A/B runs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import cpu_gemv
+
+
+class GemvLinear(nn.Module):
+    """``y = x W^T + b`` through :func:`kernels.cpu_gemv.gemv` (inference; training keeps ``F.linear``).
+
+    Args:
+        linear: the CPU ``nn.Linear`` (float32 or bfloat16) whose weight and bias it takes (shared, not
+            copied: a tied LM head stays tied).
+
+    Shapes: input ``[..., in_features]``, output ``[..., out_features]``.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.use_kernel = cpu_gemv.available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemv.gemv(x, self.weight, self.bias, self.use_kernel)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel=cpu_gemv"
+
+
+def gemv_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when linears of ``dtype`` on ``device`` use the kernel (CPU, float32/bfloat16, built here)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_gemv.available()
+
+
+def use_gemv_linears(model: nn.Module, memo: dict[int, GemvLinear] | None = None) -> int:
+    """Swap every plain CPU float32/bfloat16 ``nn.Linear`` of ``model`` for a :class:`GemvLinear`, in
+    place (a module shared with another model, in ``memo``, is swapped once). Returns the number swapped."""
+    memo = {} if memo is None else memo
+    swaps: list[tuple[nn.Module, str, GemvLinear]] = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear and gemv_supported(child.weight.dtype, child.weight.device):
+                if id(child) not in memo:
+                    memo[id(child)] = GemvLinear(child)
+                swaps.append((parent, name, memo[id(child)]))
+    for parent, name, module in swaps:
+        setattr(parent, name, module)
+    return len(swaps)

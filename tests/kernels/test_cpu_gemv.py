@@ -1,0 +1,95 @@
+"""The CPU GEMV kernel (``kernels/csrc/cpu_gemv.cpp``) against its reference, ``F.linear``.
+
+Every row count from 1 to ``MAX_ROWS``, float32 and bfloat16 weights and inputs, with and without bias,
+``K`` a multiple of the 16-wide vector loop and not (the scalar tail), odd ``N`` (the thread split);
+then the dispatch rules and the op under ``torch.compile``. Skipped where the kernel does not build
+(no compiler or ``ninja``): the reference then serves, which the last test checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_gemv
+
+needs_kernel = pytest.mark.skipif(not cpu_gemv.available(), reason="the CPU GEMV kernel does not build here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(1, 16), (37, 576), (130, 45), (300, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_equals_reference(dtype, n, k, with_bias):
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    for m in range(1, cpu_gemv.MAX_ROWS + 1):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        got = cpu_gemv.cpu_gemv(x, w, b)
+        assert got.dtype == dtype and got.shape == (m, n)
+        # float32 accumulation in both, in another order: float32 to rounding; bfloat16 outputs are the
+        # float32 result rounded once, so within one bfloat16 step of F.linear's float32 result.
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
+
+
+@needs_kernel
+def test_dispatch_rules():
+    w = torch.randn(8, 32)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_gemv.gemv(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        wide = torch.randn(cpu_gemv.MAX_ROWS + 1, 32)
+        assert torch.equal(cpu_gemv.gemv(wide, w), F.linear(wide, w))  # wider inputs: the reference
+        batched = torch.randn(2, 3, 32)  # leading dimensions are flattened and restored
+        assert cpu_gemv.gemv(batched, w).shape == (2, 3, 8)
+    x.requires_grad_(True)
+    y = cpu_gemv.gemv(x, w)  # autograd on: the reference, so gradients flow
+    y.sum().backward()
+    assert x.grad is not None
+
+
+@needs_kernel
+def test_op_under_torch_compile():
+    w = torch.randn(24, 48)
+    f = torch.compile(lambda x: torch.relu(cpu_gemv.cpu_gemv(x, w, None)), backend="eager", fullgraph=True)
+    x = torch.randn(4, 48)
+    torch.testing.assert_close(f(x), torch.relu(F.linear(x, w)), rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_kernel_falls_back_to_the_reference(monkeypatch):
+    x, w = torch.randn(2, 16), torch.randn(4, 16)
+    with torch.inference_mode():
+        assert torch.equal(cpu_gemv.gemv(x, w, use_kernel=False), F.linear(x, w))
+    monkeypatch.setenv("SPECDEC_FORCE_REFERENCE", "1")
+    assert not cpu_gemv.available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["llama-gqa3-tied", "qwen2-gqa2-untied"])
+def test_engine_tokens_unchanged_by_the_kernel(name, tiny_model_dirs, monkeypatch, fast_cpu_settings):
+    """float32 greedy tokens and logprobs (1e-4) with :class:`GemvLinear` equal plain ``nn.Linear``."""
+    from sampling import SamplingParams
+    from specdec import LLM
+    from specdec.models.cpu_linear import GemvLinear
+
+    prompts = [{"prompt_token_ids": [5, 9, 11 + i, 40, 7][: 3 + i]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+    def run(kernel: bool):
+        monkeypatch.setenv("SPECDEC_CPU_GEMV", "1" if kernel else "0")
+        llm = LLM(tiny_model_dirs[name], dtype="float32", skip_tokenizer_init=True)
+        n = sum(isinstance(m, GemvLinear) for m in llm.engine.model.modules())
+        assert n == (4 * llm.engine.model.cfg.num_layers + 1 if kernel else 0)
+        return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+    for got, want in zip(run(True), run(False)):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            for t in a.keys() & b.keys():
+                assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)

@@ -1,0 +1,250 @@
+"""``experiments/harness.py`` and the six benchmark scripts on it: typed configs composed from Hydra
+overrides (defaults as the old argparse options had them, misspelt keys and bad values refused), the
+sampler and quantization benchmarks end to end on small settings, the Hydra command line, and the shared
+batch-1 timing against ``LLM.generate`` (no timing assertions: benchmarks are measured on an idle
+machine, never in tests; no zoo model is loaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import bench_drafters, bench_engine, bench_grammar, bench_quant, bench_sampler, bench_spec
+from experiments.harness import HarnessConfig
+from specdec.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_the_old_argparse_defaults():
+    engine = bench_engine.main.config([])
+    assert isinstance(engine, bench_engine.BenchEngineConfig) and isinstance(engine, HarnessConfig)
+    assert (engine.model, engine.dtype, engine.max_tokens) == ("smollm2-135m-instruct", "bfloat16", 128)
+    assert engine.batch_sizes == [1, 4, 16] and engine.skip_hf_batch is False
+    assert (engine.out, engine.threads, engine.seed) == (None, None, 0)
+
+    spec = bench_spec.main.config([])
+    assert spec.rows == ["ngram", "draft_model"] and (spec.dtype, spec.k) == ("bfloat16", 4)
+    assert (spec.max_tokens, spec.num_prompts, spec.draft_max_tokens, spec.draft_num_prompts) == (
+        128,
+        8,
+        48,
+        3,
+    )
+    assert spec.humaneval == "../shared/humaneval/HumanEval.jsonl.gz"
+
+    sampler = bench_sampler.main.config([])
+    assert sampler.repeats == 10 and sampler.vocab_sizes == [49152, 151936] and sampler.rows == [1, 16]
+
+    drafters = bench_drafters.main.config([])
+    assert (drafters.model, drafters.prompts, drafters.limit, drafters.per_category) == (
+        "smollm2-135m-instruct",
+        "heldout",
+        24,
+        3,
+    )
+    assert (drafters.max_tokens, drafters.dtype, drafters.ignore_eos, drafters.plot) == (
+        96,
+        "bfloat16",
+        False,
+        None,
+    )
+    assert drafters.methods == ["plain", "ngram", "medusa", "medusa-tree", "eagle", "eagle-tree"]
+    assert drafters.specbench_path == "../shared/specbench/question.jsonl"
+
+    grammar = bench_grammar.main.config([])
+    assert (grammar.per_subset, grammar.max_tokens, grammar.speed_prompts, grammar.speed_max_tokens) == (
+        5,
+        256,
+        4,
+        96,
+    )
+    assert bench_grammar.main.config(["per_subset=null"]).per_subset is None  # the old --all
+
+    quant = bench_quant.main.config([])
+    assert quant.models == ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"]
+    assert quant.decode == ["float32", "bfloat16", "int8", "int4", "int4-g32-zero-point"]
+    assert quant.spec == [
+        "ngram",
+        "quantized_self-int4",
+        "quantized_self-int4-g32-zero-point",
+        "quantized_self-int8",
+        "draft_model",
+    ]
+    assert (quant.k, quant.max_tokens, quant.num_prompts, quant.kernel_rows) == (4, 128, 8, [1, 5, 16, 128])
+    assert (quant.kernels, quant.smoke, quant.threads, quant.bandwidth_gbs) == (False, False, None, None)
+
+    # overrides are typed: lists, bools, null
+    engine = bench_engine.main.config(
+        ["dtype=float32", "max_tokens=64", "batch_sizes=[1,4]", "skip_hf_batch=true"]
+    )
+    assert (engine.dtype, engine.max_tokens, engine.batch_sizes, engine.skip_hf_batch) == (
+        "float32",
+        64,
+        [1, 4],
+        True,
+    )
+
+
+def test_misspelt_keys_and_bad_values_are_refused():
+    with pytest.raises(
+        ConfigError, match=r"(?s)bench_engine: Could not override 'max_token'.*keys: .*'max_tokens'"
+    ):
+        bench_engine.main.config(["max_token=3"])
+    with pytest.raises(ConfigError, match=r"(?s)max_tokens=abc.*full_key: max_tokens"):
+        bench_engine.main.config(["max_tokens=abc"])
+    with pytest.raises(ConfigError, match=r"^max_tokens must be >= 1, got 0$"):
+        bench_engine.main.config(["max_tokens=0"])
+    with pytest.raises(ConfigError, match=r"dtype must be one of \['float32', 'bfloat16'\], got 'float16'"):
+        bench_engine.main.config(["dtype=float16"])
+    with pytest.raises(ConfigError, match=r"batch_sizes must include 1"):
+        bench_engine.main.config(["batch_sizes=[4,16]"])
+    with pytest.raises(ConfigError, match=r"threads must be >= 1 or null, got 0"):
+        bench_sampler.main.config(["threads=0"])
+    with pytest.raises(ConfigError, match=r"rows must be a non-empty subset of \['ngram', 'draft_model'\]"):
+        bench_spec.main.config(["rows=[ngram,medusa]"])
+    with pytest.raises(ConfigError, match=r"per_subset must be >= 1 or null"):
+        bench_grammar.main.config(["per_subset=0"])
+    with pytest.raises(ConfigError, match=r"decode must be a non-empty subset of \['float32'"):
+        bench_quant.main.config(["decode=[int3]"])
+    with pytest.raises(ConfigError, match=r"bandwidth_gbs must be > 0 or null"):
+        bench_quant.main.config(["bandwidth_gbs=0"])
+
+    from specdec.drafters.registry import drafter_names
+
+    with pytest.raises(
+        ConfigError, match=r"methods must be a non-empty subset of .*unknown: \['nagram'\]"
+    ) as e:
+        bench_drafters.main.config(["methods=[plain,nagram]"])
+    assert all(repr(name) in str(e.value) for name in (*bench_drafters.METHODS, *drafter_names()))
+    assert bench_drafters.main.config(["methods=[plain,draft_model]"]).methods == ["plain", "draft_model"]
+
+
+def test_bench_sampler_end_to_end(tmp_path, capsys):
+    out = tmp_path / "sub" / "sampler.json"
+    threads_before = torch.get_num_threads()
+    result = bench_sampler.main(["vocab_sizes=[1000]", "rows=[1,2]", "repeats=1", "threads=1", f"out={out}"])
+    keys = ["vocab_size", "rows", "ours_ms", "hf_ms", "ours_temperature_only_ms", "hf_over_ours"]
+    assert [list(r) for r in result["results"]] == [keys, keys]
+    assert [(r["vocab_size"], r["rows"]) for r in result["results"]] == [(1000, 1), (1000, 2)]
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [list(r) for r in printed] == [keys, keys]
+    assert torch.get_num_threads() == threads_before  # restored
+    saved = json.loads(out.read_text())
+    assert saved["results"] == result["results"]
+    info = saved["run_info"]
+    assert info["benchmark"] == "bench_sampler" and info["environment"]["torch_threads"] == 1
+    assert info["git"]["commit"] and info["versions"]["torch"] and info["seeds"]["torch"] == 0
+    assert info["config"]["vocab_sizes"] == [1000] and info["config"]["out"] == str(out)
+
+
+def test_bench_quant_smoke(tmp_path, capsys):
+    results = bench_quant.main(
+        ["smoke=true", "threads=1", f"out_dir={tmp_path}", f"out={tmp_path / 'q.json'}"]
+    )
+    (model,) = [m for m in results if m != "run_info"]
+    res = results[model]
+    assert (res["num_prompts"], res["max_tokens"], res["threads"]) == (2, 6, 1)
+    assert list(res["decode"]) == list(bench_quant.DECODE_ROWS)
+    for row in res["decode"].values():
+        assert set(row) == {
+            "dtype",
+            "quantization",
+            "tokens_per_s",
+            "weight_bytes",
+            "step_read_bytes",
+            "floor_tokens_per_s",
+            "fraction_of_floor",
+        }
+    spec = res["speculative"]
+    assert list(spec) == [
+        "plain",
+        "ngram",
+        "quantized_self-int4",
+        "quantized_self-int4-g32-zero-point",
+        "quantized_self-int8",
+    ]
+    assert spec["plain"]["speedup_vs_plain"] == 1.0 and "tau" not in spec["plain"]
+    for name in list(spec)[1:]:
+        assert spec[name]["matches_plain_greedy"] == 1.0  # greedy speculation is exact
+        for key in ("tokens", "time_s", "tokens_per_s", "tau", "acceptance_per_position", "draft_time_s"):
+            assert key in spec[name], (name, key)
+    out = capsys.readouterr().out
+    assert "| weights | activations | tok/s | floor tok/s | of floor |" in out
+    assert "| drafter (bf16 target) | tok/s | speedup | τ | matches greedy |" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.json"]  # smoke writes no quant_<model>.json
+    assert "run_info" in json.loads((tmp_path / "q.json").read_text())
+
+
+def test_batch1_timing_equals_llm_generate(tiny_model_dirs, fast_cpu_settings):
+    from transformers import AutoModelForCausalLM
+
+    from experiments.harness import ForwardCounter, hf_batch1, measure_batch1, time_batch1, warm_up
+    from sampling.params import SamplingParams
+    from specdec import LLM
+
+    d = tiny_model_dirs["llama-mha-untied"]
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 9], [11, 12, 13, 11, 12, 13], [40, 41, 42, 43, 44]]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(d, skip_tokenizer_init=True)
+    expected = [
+        list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    ]
+    warm_up(llm, prompts[0][:4])
+    timed = time_batch1(llm, prompts, sp)
+    assert timed.outputs == expected and timed.tokens == 3 * 8 and timed.time_s > 0
+    assert len(timed.metrics) == 3
+
+    row, plain = measure_batch1(
+        d, None, prompts, 8, dtype="float32", ignore_eos=True, skip_tokenizer_init=True
+    )
+    assert plain.outputs == expected and set(row) == {"tokens", "time_s", "tokens_per_s"}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    row, spec = measure_batch1(
+        d, ngram, prompts, 8, dtype="float32", ignore_eos=True, skip_tokenizer_init=True
+    )
+    assert spec.outputs == expected  # greedy speculation is exact
+    assert row["tau"] >= 1.0 and len(row["acceptance_per_position"]) == 3
+    assert {"acceptance_rate", "draft_tokens_per_step", "draft_time_s", "verify_time_s"} <= set(row)
+
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    hf_timed = hf_batch1(hf, prompts, 8, ForwardCounter(hf), ignore_eos=True, pad_token_id=0)
+    assert hf_timed.outputs == expected and hf_timed.forwards == 3 * 7
+
+
+def test_hydra_command_line(tmp_path):
+    """``python -m experiments.bench_sampler``: a real ``@hydra.main`` (``--cfg job``, ``-m`` sweeps, a
+    misspelt key refused), each job writing ``result.json`` into its run directory."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "experiments.bench_sampler", *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    sweep = cli(
+        "-m",
+        "vocab_sizes=[100]",
+        "rows=[1]",
+        "repeats=1,2",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )
+    assert sweep.returncode == 0, sweep.stderr
+    results = [json.loads((tmp_path / "sweep" / str(i) / "result.json").read_text()) for i in (0, 1)]
+    assert [r["run_info"]["config"]["repeats"] for r in results] == [1, 2]
+    assert results[1]["run_info"]["hydra"]["overrides"] == ["vocab_sizes=[100]", "rows=[1]", "repeats=2"]
+    assert sweep.stdout.count('"hf_over_ours"') == 2
+    job = cli("--cfg", "job", "repeats=3", "rows=[2]")
+    assert job.returncode == 0, job.stderr
+    assert (
+        "repeats: 3\n" in job.stdout
+        and "rows:\n- 2\n" in job.stdout
+        and "vocab_sizes:\n- 49152\n" in job.stdout
+    )
+    typo = cli("repeat=2", "--cfg", "job")
+    assert typo.returncode != 0 and "Key 'repeat' not in 'BenchSamplerConfig'" in typo.stderr
