@@ -443,6 +443,9 @@ class EngineConfig:
         quantization_group_size: int4 columns per scale, 32/64/128 (None: 64).
         quantization_zero_point: int4 only: asymmetric groups.
         kv_cache_dtype: ``auto`` (the model's dtype) or ``int8``.
+        compile: ``torch.compile`` the forward (``specdec.LLM``'s ``compile``; False: eager, the
+            reference).
+        compile_buckets: token buckets of the compiled forward (None: the library's default).
     """
 
     dtype: Dtype | None = None
@@ -459,6 +462,14 @@ class EngineConfig:
     quantization_group_size: int | None = None
     quantization_zero_point: bool = False
     kv_cache_dtype: str = "auto"
+    compile: bool = False
+    compile_buckets: list[int] | None = None
+
+    def compile_arg(self) -> dict[str, Any] | bool:
+        """``specdec.LLM``'s ``compile`` argument."""
+        if not self.compile:
+            return False
+        return {"buckets": list(self.compile_buckets)} if self.compile_buckets else True
 
     def quantization_arg(self) -> dict[str, Any] | None:
         """``specdec.LLM``'s ``quantization`` argument (None: full precision)."""
@@ -485,6 +496,7 @@ class EngineConfig:
             "max_model_len": self.max_model_len,
             "quantization": self.quantization_arg(),
             "kv_cache_dtype": self.kv_cache_dtype,
+            "compile": self.compile_arg(),
         }
 
 
@@ -891,7 +903,7 @@ def _check_engine(e: EngineConfig) -> None:
     """The engine's values, checked by the library's own configs (``CacheConfig``, ``SchedulerConfig``,
     ``QuantizationConfig``, ``resolve_dtype``); the device is only parsed (it is picked on the machine
     that runs the job, see :func:`experiments.tracking.pick_device`)."""
-    from specdec.config import CacheConfig, SchedulerConfig, resolve_dtype
+    from specdec.config import CacheConfig, CompilationConfig, SchedulerConfig, resolve_dtype
     from specdec.quantization.config import QuantizationConfig
 
     try:
@@ -900,6 +912,7 @@ def _check_engine(e: EngineConfig) -> None:
         )
         SchedulerConfig(e.max_num_batched_tokens, e.max_num_seqs, e.max_model_len)
         QuantizationConfig.from_any(e.quantization_arg())
+        CompilationConfig.from_any(e.compile_arg())
         if e.dtype is not None:
             resolve_dtype(e.dtype.value)
     except ValueError as err:

@@ -69,6 +69,7 @@ def load_extension() -> Any | None:
 
         source = _SOURCE.read_text()
         key = hashlib.sha256((source + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+        logger.info("loading the CPU GEMV kernel (built once per machine, about 45 s on 2 cores)")
         return load_inline(
             f"specdec_cpu_gemv_{key}",
             cpp_sources=[source],

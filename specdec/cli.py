@@ -73,7 +73,14 @@ def _generate(args: argparse.Namespace) -> int:
         if args.draft_quantization is not None:
             spec["quantization"] = args.draft_quantization
     params = sampling_params_from_args(args)  # before loading the model: a bad constraint fails fast
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, speculative_config=spec)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        speculative_config=spec,
+        compile=args.compile,
+    )
     prompts = args.prompt or ["Write a haiku about speculative decoding."]
     t0 = time.perf_counter()
     if args.raw:
@@ -143,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the forward, one graph per token bucket (slower start, faster steps; "
+        "default: eager, the reference)",
+    )
     c = g.add_mutually_exclusive_group()
     c.add_argument(
         "--json-schema",

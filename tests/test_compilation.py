@@ -294,3 +294,26 @@ def test_compiled_negative_control_fails(dist_setup):
     counts = _counts(llm, 40)
     res = assert_differs(dist_setup["exact"], counts, label="compiled, accept every draft")
     assert res.pvalue < ALPHA * 1e-3
+
+
+# ----------------------------------------------------------------------------- Hydra and the CLI
+def test_hydra_engine_group_and_cli_take_compile():
+    from hydra import compose, initialize_config_module
+
+    from experiments.config import register_configs, to_experiment_config
+    from specdec.cli import build_parser
+
+    register_configs()
+    with initialize_config_module("experiments.conf", version_base=None):
+        cfg = to_experiment_config(compose(config_name="config"))
+        assert cfg.engine.llm_kwargs(cfg.model)["compile"] is False  # eager, the reference, by default
+        on = ["engine.compile=true", "engine.compile_buckets=[1,8]"]
+        cfg = to_experiment_config(compose(config_name="config", overrides=on))
+        assert cfg.engine.llm_kwargs(cfg.model)["compile"] == {"buckets": [1, 8]}
+        with pytest.raises(ValueError, match=r"engine\.compile buckets"):
+            to_experiment_config(
+                compose(config_name="config", overrides=[*on[:1], "engine.compile_buckets=[0]"])
+            )
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--prompt", "hi", "--compile"]).compile is True
+    assert parser.parse_args(["generate", "--prompt", "hi"]).compile is False

@@ -76,7 +76,7 @@ def split_output(stdout: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_readme_examples_print_what_they_say(smollm2_dir, tmp_path):
     codes = {name: python_block(heading) for name, heading in BLOCKS.items()}
-    assert exact_outputs(codes["quick_start"]) == ["3.18 [7, 7, 6, 4]"]  # the Quick start's promise
+    assert exact_outputs(codes["quick_start"]) == ["1.97 [9, 8, 7, 5]"]  # the Quick start's promise
     script = "\n".join(f"print({MARK.format(name)!r}, flush=True)\n{code}" for name, code in codes.items())
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     proc = subprocess.run(
