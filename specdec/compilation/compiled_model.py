@@ -9,8 +9,11 @@ the sampler or the cache. Forwards wider than the largest bucket run the eager m
 
 On the CPU inductor freezes the weights (``freezing=True``: folded as constants and pre-packed for
 oneDNN), so the eager model's :class:`~specdec.models.packed_linear.PackedLinear` packing is not used
-with compilation. Inductor's FX graph cache (on by default, under ``TORCHINDUCTOR_CACHE_DIR``) makes a
-second process's compilations faster.
+with compilation. Linears that run the CPU GEMV kernel (:class:`~specdec.models.cpu_linear.GemvLinear`)
+stay opaque ``specdec::cpu_gemv`` calls in the graph: their weights are neither frozen nor copied.
+The graph computes the LM head on every row of the bucket (decode and verification rows all need
+logits; a short prefill chunk pays for rows it drops). Inductor's FX graph cache (on by default,
+under ``TORCHINDUCTOR_CACHE_DIR``) makes a second process's compilations faster.
 
 Exactness: the compiled graph computes the same operations as :meth:`DecoderLM.forward` (greedy tokens
 equal, float32 logits within 1e-4 in ``tests/test_compilation.py``); inductor may fuse and reorder
