@@ -446,6 +446,8 @@ class EngineConfig:
         compile: ``torch.compile`` the forward (``specdec.LLM``'s ``compile``; False: eager, the
             reference).
         compile_buckets: token buckets of the compiled forward (None: the library's default).
+        adaptive_threads: on the CPU, use only the cores other processes leave free (``specdec.LLM``'s
+            ``cpu_threads="auto"``, at most ``torch_threads``); False: a fixed count.
     """
 
     dtype: Dtype | None = None
@@ -464,6 +466,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     compile: bool = False
     compile_buckets: list[int] | None = None
+    adaptive_threads: bool = True
 
     def compile_arg(self) -> dict[str, Any] | bool:
         """``specdec.LLM``'s ``compile`` argument."""
@@ -497,6 +500,7 @@ class EngineConfig:
             "quantization": self.quantization_arg(),
             "kv_cache_dtype": self.kv_cache_dtype,
             "compile": self.compile_arg(),
+            "cpu_threads": "auto" if self.adaptive_threads else None,
         }
 
 

@@ -8,13 +8,12 @@ at one row and 2-4 GB/s in bfloat16 at five rows (a k = 4 verification), against
 five rows), 15-18 (bfloat16, one row) and 9-14 (bfloat16, five rows). ``python -m kernels.cpu_gemv``
 prints these figures for this machine.
 
-Dispatch (:func:`gemv`): the kernel for float32 / bfloat16 CPU tensors of at most :data:`MAX_ROWS` rows
+Dispatch (:func:`gemv`): the kernel for float32 / bfloat16 CPU tensors of at most :func:`max_rows` rows
+(:data:`MAX_ROWS`; in bfloat16 on a CPU without oneDNN's bfloat16 path any number, since ``F.linear``
+then ran 3.5-4.5x slower than the kernel at 16-64 rows here, a prefill chunk's 42 rows taking 0.6 s)
 when it builds here; :func:`gemv_reference` (``F.linear``) otherwise, and everywhere with
-``SPECDEC_FORCE_REFERENCE=1`` or ``SPECDEC_CPU_GEMV=0``. The kernel is built once per machine with
-torch's C++ extension mechanism (``torch.utils.cpp_extension.load_inline``: needs a C++ compiler and
-``ninja``; about 45 s, cached under ``TORCH_EXTENSIONS_DIR``), compiled for this CPU (``-march=native``;
-the cached build is keyed by the CPU's flags, so a home directory shared between machines is safe). A
-build that fails logs one warning and leaves the reference in place.
+``SPECDEC_FORCE_REFERENCE=1`` or ``SPECDEC_CPU_GEMV=0``. The kernel is built with the other CPU kernels
+by :mod:`kernels.cpu_ext` (once per machine; a build that fails leaves the reference in place).
 
 The op is registered as ``specdec::cpu_gemv`` (with a fake implementation), so ``torch.compile`` keeps
 it as one opaque call.
@@ -25,61 +24,33 @@ Accuracy: float32 accumulation in a different order than ``F.linear``: float32 o
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
 import os
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kernels._triton import force_reference
+from kernels.cpu_ext import load_extension
 
-logger = logging.getLogger("kernels.cpu_gemv")
-
-#: Rows up to which the kernel is used (it reads the weights once per 4 rows; wider inputs are GEMMs).
+#: Rows up to which the kernel is used (it reads the weights once per 8 rows; wider inputs are GEMMs).
 MAX_ROWS = 16
 DISABLE_ENV = "SPECDEC_CPU_GEMV"
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_gemv.cpp"
+
+
+#: Whether oneDNN lacks a bfloat16 path on this CPU (then ``F.linear`` in bfloat16 is a slow loop).
+_NO_ONEDNN_BF16 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which :func:`gemv` uses the kernel: :data:`MAX_ROWS`, unbounded for bfloat16 where
+    oneDNN has no bfloat16 path on this CPU."""
+    return 2**31 if dtype == torch.bfloat16 and _NO_ONEDNN_BF16 else MAX_ROWS
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: ``x`` ``[M, K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` ->
     ``[M, N]``."""
     return F.linear(x, weight, bias)
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return torch.backends.cpu.get_cpu_capability()
-
-
-@functools.cache
-def load_extension() -> Any | None:
-    """The built kernel module, or None where it cannot build (logged once)."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        source = _SOURCE.read_text()
-        key = hashlib.sha256((source + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
-        logger.info("loading the CPU GEMV kernel (built once per machine, about 45 s on 2 cores)")
-        return load_inline(
-            f"specdec_cpu_gemv_{key}",
-            cpp_sources=[source],
-            functions=["gemv", "has_avx2"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as e:  # no compiler, no ninja, an unsupported CPU: the reference serves
-        logger.warning("the CPU GEMV kernel did not build (%s: %s); using F.linear", type(e).__name__, e)
-        return None
 
 
 def available() -> bool:
@@ -122,7 +93,7 @@ def gemv(
     x2 = x.reshape(-1, x.shape[-1])
     if (
         use_kernel
-        and x2.shape[0] <= MAX_ROWS
+        and x2.shape[0] <= max_rows(x.dtype)
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype in (torch.float32, torch.bfloat16)

@@ -80,6 +80,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         speculative_config=spec,
         compile=args.compile,
+        cpu_threads=args.cpu_threads,
     )
     prompts = args.prompt or ["Write a haiku about speculative decoding."]
     t0 = time.perf_counter()
@@ -155,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch.compile the forward, one graph per token bucket (slower start, faster steps; "
         "default: eager, the reference)",
+    )
+    g.add_argument(
+        "--cpu-threads",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="intra-op threads on the CPU: auto (the cores other processes leave free) or a count",
     )
     c = g.add_mutually_exclusive_group()
     c.add_argument(

@@ -25,6 +25,7 @@ from specdec.config import (
     resolve_dtype,
 )
 from specdec.engine import LLMEngine
+from specdec.engine.threads import ThreadPolicy, check_threads
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.quantization.config import QuantizationConfig
@@ -89,6 +90,9 @@ class LLM:
             one graph per token bucket: False (eager, the reference), True, or a dict /
             :class:`~specdec.config.CompilationConfig` (``buckets``, ``backend``). Each bucket compiles on
             its first use; ``llm.engine.runner.compile_stats`` reports them. See :mod:`specdec.compilation`.
+        cpu_threads: intra-op threads on the CPU: ``"auto"`` (as many as there are cores that other
+            processes leave free, re-sampled twice a second: a busy machine does not collapse the step),
+            a fixed count, or None (torch's setting untouched). See :mod:`specdec.engine.threads`.
 
     Raises:
         UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.
@@ -116,6 +120,7 @@ class LLM:
         quantization: Any = None,
         kv_cache_dtype: str = "auto",
         compile: bool | dict | CompilationConfig = False,
+        cpu_threads: int | str | None = "auto",
     ) -> None:
         from specdec.drafters.heads import default_heads_name, resolve_heads_dir
         from specdec.drafters.registry import get_drafter
@@ -127,6 +132,7 @@ class LLM:
         torch_dtype = resolve_dtype(dtype)
         quantization_config = QuantizationConfig.from_any(quantization)
         compilation = CompilationConfig.from_any(compile)
+        check_threads(cpu_threads)
         cache_config = CacheConfig(
             block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes, kv_cache_dtype
         )
@@ -156,6 +162,8 @@ class LLM:
             quantization=quantization_config,
             compilation=compilation,
         )
+        if self.engine.runner.device.type == "cpu" and cpu_threads is not None:
+            self.engine.threads = ThreadPolicy(cpu_threads)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = set(self.engine.model_cfg.eos_token_ids) | {self.tokenizer.eos_token_id}
             object.__setattr__(self.engine.model_cfg, "eos_token_ids", tuple(sorted(eos)))

@@ -122,38 +122,48 @@ def select_attention_backend(
 
     Args:
         device: where the model runs.
-        choice: a backend instance (used as is), ``"triton"``, ``"reference"``, or None / ``"auto"``:
-            Triton (:class:`~specdec.attention.triton_backend.TritonAttention`) on CUDA when triton
-            imports and ``SPECDEC_FORCE_REFERENCE`` is not set, the pure-torch reference otherwise.
+        choice: a backend instance (used as is), ``"triton"``, ``"cpu"``, ``"reference"``, or None /
+            ``"auto"``: Triton (:class:`~specdec.attention.triton_backend.TritonAttention`) on CUDA when
+            triton imports, the CPU kernel backend (:class:`~specdec.attention.cpu_backend.CpuAttention`)
+            on the CPU when its kernel builds, the pure-torch reference otherwise (and everywhere with
+            ``SPECDEC_FORCE_REFERENCE=1``).
         kv_cache_dtype: ``"int8"`` is read and written by the reference only: ``"auto"`` then picks it
             (also on CUDA).
 
     Raises:
         ValueError: an unknown backend name.
-        ConfigError: ``"triton"`` asked for with an int8 KV cache.
+        ConfigError: ``"triton"`` or ``"cpu"`` asked for with an int8 KV cache.
     """
     if choice is not None and not isinstance(choice, str):
         return choice
     name = choice or "auto"
     if kv_cache_dtype == "int8":
-        if name == "triton":
+        if name in ("triton", "cpu"):
             raise ConfigError(
                 "kv_cache_dtype='int8' is implemented by the reference attention backend only; "
-                "use attention='reference' (or 'auto') or kv_cache_dtype='auto' with Triton"
+                f"use attention='reference' (or 'auto') or kv_cache_dtype='auto' with {name!r}"
             )
         name = "reference" if name == "auto" else name
     if name == "auto":
         from kernels._triton import force_reference, triton_available
 
-        use = device.type == "cuda" and triton_available() and not force_reference()
-        name = "triton" if use else "reference"
+        if device.type == "cuda":
+            name = "triton" if triton_available() and not force_reference() else "reference"
+        else:
+            from kernels import cpu_attention
+
+            name = "cpu" if device.type == "cpu" and cpu_attention.available() else "reference"
     if name == "triton":
         from specdec.attention.triton_backend import TritonAttention
 
         return TritonAttention()
+    if name == "cpu":
+        from specdec.attention.cpu_backend import CpuAttention
+
+        return CpuAttention()
     if name == "reference":
         return ReferenceAttention()
-    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'triton' or 'reference'")
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'triton', 'cpu' or 'reference'")
 
 
 class ModelRunner:

@@ -248,3 +248,18 @@ def test_hydra_command_line(tmp_path):
     )
     typo = cli("repeat=2", "--cfg", "job")
     assert typo.returncode != 0 and "Key 'repeat' not in 'BenchSamplerConfig'" in typo.stderr
+
+
+def test_bench_step_tree_and_config():
+    from experiments import bench_step
+
+    positions, mask = bench_step.tree_segment_fields(7, start=10)
+    # A binary tree filled level by level: depths 0, 1, 1, 2, 2, 2, 2.
+    assert positions == [10, 11, 11, 12, 12, 12, 12]
+    # Node 5 sees itself, its parent 2 and the root 0 only.
+    assert mask[5].nonzero().flatten().tolist() == [0, 2, 5]
+    assert mask.sum().item() == 1 + 2 * 2 + 4 * 3
+    with pytest.raises(ConfigError, match="tree_nodes"):
+        bench_step.main(["tree_nodes=0"])
+    with pytest.raises(ConfigError, match="dtype"):
+        bench_step.main(["dtype=float16"])

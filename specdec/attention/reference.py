@@ -78,12 +78,19 @@ class _Batched:
 class _Plan:
     prefills: list[_Prefill]
     batched: _Batched | None
+    #: The short-query requests, ``(b, start, query_len, seq_len)`` each (what ``batched`` pads).
+    short: list[tuple[int, int, int, int]]
 
 
 def _plan(
-    metadata: AttentionMetadata, block_size: int, device: torch.device, from_cache: bool = False
+    metadata: AttentionMetadata,
+    block_size: int,
+    device: torch.device,
+    from_cache: bool = False,
+    batch_short: bool = True,
 ) -> _Plan:
-    """``from_cache``: prefill chunks read their own K/V back from the cache too (an int8 cache)."""
+    """``from_cache``: prefill chunks read their own K/V back from the cache too (an int8 cache).
+    ``batch_short``: build the padded batch of the short-query requests (False: a kernel attends them)."""
     masks = metadata.new_token_masks
     prefills: list[_Prefill] = []
     short: list[tuple[int, int, int, int]] = []  # (b, start, q_len, seq_len)
@@ -103,8 +110,8 @@ def _plan(
                 mask[:, context_len:] = _new_token_mask(q_len, custom, device)
             prefills.append(_Prefill(start, q_len, seq_len, blocks, mask))
         start += q_len
-    if not short:
-        return _Plan(prefills, None)
+    if not short or not batch_short:
+        return _Plan(prefills, None, short)
     m = len(short)
     short_t = torch.tensor(short, dtype=torch.int64)  # [m, 4]: (b, start, q_len, seq_len)
     q_lens, seq_lens = short_t[:, 2], short_t[:, 3]
@@ -131,11 +138,17 @@ def _plan(
                     mask[i, :ql, c:sl] = _new_token_mask(ql, masks[b], device)
         batch_mask = mask.unsqueeze(1).to(device)
     rows, req_of_row, pos_in_req = rows.to(device), req_of_row.to(device), pos_in_req.to(device)
-    return _Plan(prefills, _Batched(rows, req_of_row, pos_in_req, blocks, max_q, max_seq, batch_mask))
+    return _Plan(prefills, _Batched(rows, req_of_row, pos_in_req, blocks, max_q, max_seq, batch_mask), short)
 
 
 class ReferenceAttention:
     """Pure-torch :class:`~specdec.attention.base.AttentionBackend`."""
+
+    #: Key of this backend's plan in ``AttentionMetadata.backend_cache``.
+    plan_key = "reference"
+    #: Whether :func:`_plan` pads the short-query requests into one batch (subclasses attending them with
+    #: a kernel set False).
+    batch_short = True
 
     def forward(
         self,
@@ -147,13 +160,41 @@ class ReferenceAttention:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-        plan = metadata.backend_cache.get("reference")
+        self._write(key, value, k_cache, v_cache, metadata.slot_mapping)
+        plan = metadata.backend_cache.get(self.plan_key)
         if plan is None:
-            plan = metadata.backend_cache["reference"] = _plan(
-                metadata, k_cache.shape[1], query.device, from_cache=is_int8_cache(k_cache)
+            plan = metadata.backend_cache[self.plan_key] = _plan(
+                metadata,
+                k_cache.shape[1],
+                query.device,
+                from_cache=is_int8_cache(k_cache),
+                batch_short=self.batch_short,
             )
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape)  # contiguous, whatever the query's strides
+        self._prefills(query, key, value, k_cache, v_cache, plan, scale, out)
+        if plan.short:
+            self._short(query, k_cache, v_cache, metadata, plan, scale, out)
+        return out
+
+    @staticmethod
+    def _write(
+        key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Store the new K/V at their slots (:func:`write_kv`)."""
+        write_kv(key, value, k_cache, v_cache, slots)
+
+    @staticmethod
+    def _prefills(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: _Plan,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Long-query requests (prefill chunks), one SDPA call each, into ``out``'s rows."""
         gqa = query.shape[1] != key.shape[1]
         for p in plan.prefills:
             rows = slice(p.start, p.start + p.query_len)
@@ -169,17 +210,30 @@ class ReferenceAttention:
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
             out[rows] = o.transpose(0, 1)
+
+    def _short(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        plan: _Plan,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Short-query requests (decode, verification), into ``out``'s rows."""
         bt = plan.batched
-        if bt is not None and bt.mask is None:
+        assert bt is not None
+        gqa = query.shape[1] != k_cache.shape[2]
+        if bt.mask is None:
             # One request decoding one token: no mask and no padding, so SDPA's fused kernel applies.
             q = query[bt.rows].transpose(0, 1).unsqueeze(0)  # [1, H, 1, D]
             k = _read(k_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq], q.dtype).transpose(0, 1).unsqueeze(0)
             v = _read(v_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq], q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=gqa)
             out[bt.rows] = o[0].transpose(0, 1)
-        elif bt is not None:
+        else:
             out[bt.rows] = self._batched(query, k_cache, v_cache, bt, scale)
-        return out
 
     @staticmethod
     def _batched(

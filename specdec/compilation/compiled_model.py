@@ -1,7 +1,7 @@
 """A decoder's forward compiled piecewise with ``torch.compile``, one graph per token bucket.
 
-The compiled graph runs the embedding, every layer's dense work and the final norm and LM head of all
-rows of a padded batch; attention runs eagerly inside the ``specdec::paged_attention`` custom op
+The compiled graph runs the embedding, every layer's dense work and the final norm of all rows of a
+padded batch; the LM head then runs eagerly on the rows whose logits are wanted only; attention runs eagerly inside the ``specdec::paged_attention`` custom op
 (:mod:`specdec.compilation.attention_op`). Inputs are padded to the smallest bucket
 (:mod:`specdec.compilation.buckets`) with token 0 at position 0; padded rows write no K/V, attend to
 nothing and are dropped before their logits or hidden states leave this module, so they never reach
@@ -11,8 +11,8 @@ On the CPU inductor freezes the weights (``freezing=True``: folded as constants 
 oneDNN), so the eager model's :class:`~specdec.models.packed_linear.PackedLinear` packing is not used
 with compilation. Linears that run the CPU GEMV kernel (:class:`~specdec.models.cpu_linear.GemvLinear`)
 stay opaque ``specdec::cpu_gemv`` calls in the graph: their weights are neither frozen nor copied.
-The graph computes the LM head on every row of the bucket (decode and verification rows all need
-logits; a short prefill chunk pays for rows it drops). Inductor's FX graph cache (on by default,
+Module guards are skipped (the weights are frozen constants), so a call costs the input-shape guards
+only. Inductor's FX graph cache (on by default,
 under ``TORCHINDUCTOR_CACHE_DIR``) makes a second process's compilations faster.
 
 Exactness: the compiled graph computes the same operations as :meth:`DecoderLM.forward` (greedy tokens
@@ -94,9 +94,9 @@ class CompiledDecoder:
         no_caches = cast(Sequence[tuple[torch.Tensor, torch.Tensor]], [(None, None)] * len(ops))
         no_metadata = cast(AttentionMetadata, None)
 
-        def body(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def body(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             hidden = model.layer_stack(input_ids, positions, no_caches, no_metadata, ops)
-            return model.final(hidden, None, all_hidden=True)
+            return model.norm(hidden)
 
         # Dynamo caches compiled graphs on the code object: give each decoder its own (a draft model and
         # its target must not share frozen weights), and room for one graph per bucket.
@@ -105,7 +105,11 @@ class CompiledDecoder:
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, len(self.buckets) + 1)
         # One graph per bucket: static shapes, so dynamo specialises each bucket and never recompiles one.
-        self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
+        # Guards on the decoder's modules are dropped: its weights are frozen into the graphs anyway, and
+        # checking ~300 module guards cost ~0.9 ms per call here; the input-shape guards that pick a
+        # bucket's graph stay.
+        options = {**(options or {}), "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self._compiled: Callable[..., torch.Tensor] = torch.compile(
             body, backend=backend, options=options, dynamic=False, fullgraph=True
         )
 
@@ -138,14 +142,15 @@ class CompiledDecoder:
         first = bucket not in self.stats.compile_time_s
         t0 = time.perf_counter()
         with forward_context(ForwardContext(metadata, attention, kv_caches, n)):
-            logits, hidden = self._compiled(input_ids, positions)
+            hidden = self._compiled(input_ids, positions)
         if first:
             self.stats.compile_time_s[bucket] = time.perf_counter() - t0
             self.stats.compiled_buckets.append(bucket)
             logger.info("compiled the %d-token bucket in %.1f s", bucket, self.stats.compile_time_s[bucket])
         self.stats.compiled_calls += 1
+        # The LM head runs outside the graph, on the rows whose logits are wanted only (a padded prefill
+        # bucket would otherwise multiply every padding row by the whole vocabulary).
         hidden = hidden[:n]
-        if logits_indices is None:
-            return logits[:n], hidden
-        logits = logits[logits_indices]
-        return logits, (hidden if all_hidden else hidden[logits_indices])
+        rows = hidden if logits_indices is None else hidden[logits_indices]
+        logits = self.model.lm_head(rows).float()
+        return logits, (hidden if all_hidden or logits_indices is None else rows)

@@ -36,13 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention.base import AttentionMetadata
-from specdec.attention.reference import ReferenceAttention
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
 from specdec.drafters.heads import EagleHead, load_heads
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.tree import select_top_nodes
 from specdec.errors import ConfigError
-from specdec.model_runner import Segment, build_inputs
+from specdec.model_runner import Segment, build_inputs, select_attention_backend
 from specdec.request import Request
 
 
@@ -123,9 +122,9 @@ class EagleDrafter(DrafterBase):
         self.target = target
         self.head = head
         self.config = config
-        self.attention = ReferenceAttention()
         param = next(head.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.attention = select_attention_backend(self.device)
         self.block_size = 0
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.states: dict[str, _EagleState] = {}

@@ -27,6 +27,7 @@ from specdec.engine.build import EngineParts, build_engine_parts, build_schedule
 from specdec.engine.commit import commit_all
 from specdec.engine.proposals import propose_drafts
 from specdec.engine.verification import emitted_logprobs, process_rows, sample_or_verify
+from specdec.engine.threads import ThreadPolicy
 from specdec.errors import InvalidRequestError
 from specdec.metrics import SpecStats
 from specdec.models.decoder import DecoderLM
@@ -147,6 +148,8 @@ class LLMEngine:
         self._in_step = False
         self._deferred_aborts: list[str] = []
         self._num_faults = 0
+        #: Chooses the intra-op thread count each step (set by ``LLM`` on the CPU); None: torch's setting.
+        self.threads: ThreadPolicy | None = None
 
     def reset_spec_stats(self) -> None:
         """Zero the aggregate acceptance counters (None when speculation is off)."""
@@ -265,6 +268,8 @@ class LLMEngine:
         """
         with self._step_lock:
             self._in_step = True
+            if self.threads is not None:
+                self.threads.step()
             try:
                 return self._step()
             finally:

@@ -1,8 +1,8 @@
 """Linear layers whose few-row products (decode, verification) run the CPU GEMV kernel.
 
 :class:`GemvLinear` keeps the dense weight and sends inputs of at most
-:data:`kernels.cpu_gemv.MAX_ROWS` rows to :func:`kernels.cpu_gemv.gemv` (which falls back to ``F.linear``
-where the kernel does not build); wider inputs (prefill chunks) go to ``F.linear``. See
+:func:`kernels.cpu_gemv.max_rows` rows to :func:`kernels.cpu_gemv.gemv` (which falls back to ``F.linear``
+where the kernel does not build); wider inputs (float32 prefill chunks) go to ``F.linear``. See
 :mod:`kernels.cpu_gemv` for the figures. ``SPECDEC_CPU_GEMV=0`` keeps plain ``nn.Linear`` (A/B runs).
 """
 

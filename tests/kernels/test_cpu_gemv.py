@@ -45,7 +45,13 @@ def test_dispatch_rules():
     with torch.inference_mode():
         torch.testing.assert_close(cpu_gemv.gemv(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
         wide = torch.randn(cpu_gemv.MAX_ROWS + 1, 32)
-        assert torch.equal(cpu_gemv.gemv(wide, w), F.linear(wide, w))  # wider inputs: the reference
+        assert torch.equal(cpu_gemv.gemv(wide, w), F.linear(wide, w))  # wider float32 inputs: the reference
+        wide_bf16, w_bf16 = torch.randn(40, 32).bfloat16(), w.bfloat16()
+        if cpu_gemv.max_rows(torch.bfloat16) > 40:  # no oneDNN bfloat16 here: the kernel at any width
+            want = F.linear(wide_bf16.float(), w_bf16.float())
+            torch.testing.assert_close(cpu_gemv.gemv(wide_bf16, w_bf16).float(), want, rtol=2**-7, atol=1e-3)
+        else:
+            assert torch.equal(cpu_gemv.gemv(wide_bf16, w_bf16), F.linear(wide_bf16, w_bf16))
         batched = torch.randn(2, 3, 32)  # leading dimensions are flattened and restored
         assert cpu_gemv.gemv(batched, w).shape == (2, 3, 8)
     x.requires_grad_(True)

@@ -1,0 +1,171 @@
+"""What one target step costs: plain decode against verification (chains, features, trees), and n-gram
+speculation on a prompt whose drafts are always right.
+
+Each row is one forward of the target through the engine's model runner (same KV cache, same attention
+backend, eager or compiled), after a context of ``context`` tokens, timed ``repeats`` times after a
+warm-up; the median is reported with its ratio to the plain decode step:
+
+- ``plain``: one new token, one logits row (a decode step).
+- ``chain``: ``k + 1`` new tokens (the last accepted one and ``k`` drafts), ``k + 1`` logits rows.
+- ``chain_features``: the same, also returning the hidden states the EAGLE and Medusa heads read.
+- ``tree``: a token tree of ``tree_nodes`` nodes (branching 2 at the root's first levels, then chains)
+  with its tree attention mask and depth positions, one logits row per node.
+
+The end-to-end row runs the engine: greedy plain decoding against n-gram speculation (``k`` drafts) on
+a prompt that already contains the continuation (the model's own greedy output, pasted after the
+question), so prompt lookup's drafts are always right: speedup ÷ τ is what a verified token costs
+against a decoded one (1.0 would be free verification).
+
+    python -m experiments.bench_step dtype=bfloat16
+    python -m experiments.bench_step dtype=float32 compile=true
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from experiments.harness import HarnessConfig, benchmark, require_choice, require_positive
+
+QUESTION = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+@dataclass
+class BenchStepConfig(HarnessConfig):
+    """Attributes:
+    model: zoo name or HF-format directory.
+    dtype: float32 or bfloat16.
+    compile: run the compiled forward (``LLM(compile=True)``); buckets compile during the warm-up.
+    k: drafts per chain (``num_speculative_tokens``).
+    tree_nodes: nodes of the token tree.
+    context: tokens already in the KV cache before each timed step.
+    repeats: timed forwards per row (after 3 warm-up ones).
+    max_tokens: new tokens of the end-to-end n-gram row.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "bfloat16"
+    compile: bool = False
+    k: int = 4
+    tree_nodes: int = 16
+    context: int = 128
+    repeats: int = 30
+    max_tokens: int = 128
+
+    def validate(self) -> None:
+        super().validate()
+        require_choice("dtype", self.dtype, ("float32", "bfloat16"))
+        require_positive(self, "k", "tree_nodes", "context", "repeats", "max_tokens")
+
+
+def tree_segment_fields(num_nodes: int, start: int) -> tuple[list[int], torch.Tensor]:
+    """Depth positions ``[num_nodes]`` and the tree attention mask ``[num_nodes, num_nodes]`` of a tree
+    whose node ``i > 0`` hangs under node ``(i - 1) // 2`` (a binary tree, filled level by level)."""
+    parents = [-1] + [(i - 1) // 2 for i in range(1, num_nodes)]
+    mask = torch.eye(num_nodes, dtype=torch.bool)
+    depth = [0] * num_nodes
+    for i in range(1, num_nodes):
+        mask[i] |= mask[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    return [start + d for d in depth], mask
+
+
+def _median_ms(fn: Any, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def step_rows(llm: Any, cfg: BenchStepConfig) -> dict[str, float]:
+    """Median milliseconds of each forward kind (see the module docstring)."""
+    from specdec.model_runner import Segment, build_inputs
+
+    runner = llm.engine.runner
+    block_size = runner.block_size
+    span = cfg.context + max(cfg.k + 1, cfg.tree_nodes) + 1
+    blocks = list(range(-(-span // block_size)))
+    vocab = llm.engine.model_cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (span,), generator=g).tolist()
+    with torch.inference_mode():
+        for s in range(0, cfg.context, 64):  # the context, in chunks the buckets cover
+            chunk = ids[s : min(s + 64, cfg.context)]
+            runner.execute(build_inputs([Segment(blocks, s, chunk, 1)], block_size, runner.device))
+        positions, mask = tree_segment_fields(cfg.tree_nodes, cfg.context)
+        segments = {
+            "plain": Segment(blocks, cfg.context, ids[cfg.context : cfg.context + 1], 1),
+            "chain": Segment(blocks, cfg.context, ids[cfg.context : cfg.context + cfg.k + 1], cfg.k + 1),
+            "tree": Segment(
+                blocks, cfg.context, ids[cfg.context : cfg.context + cfg.tree_nodes], cfg.tree_nodes,
+                positions=positions, mask=mask,
+            ),  # fmt: skip
+        }
+        inputs = {name: build_inputs([seg], block_size, runner.device) for name, seg in segments.items()}
+        rows = {
+            "plain": _median_ms(lambda: runner.execute(inputs["plain"]), cfg.repeats),
+            "chain": _median_ms(lambda: runner.execute(inputs["chain"]), cfg.repeats),
+            "chain_features": _median_ms(lambda: runner.execute_with_hidden(inputs["chain"]), cfg.repeats),
+            "tree": _median_ms(lambda: runner.execute(inputs["tree"]), cfg.repeats),
+        }
+    return rows
+
+
+def ngram_row(llm_plain: Any, llm_ngram: Any, cfg: BenchStepConfig) -> dict[str, float]:
+    """Plain vs n-gram tokens/s and τ on a prompt that contains its own greedy continuation."""
+    from sampling.params import SamplingParams
+
+    from experiments.harness import spec_stats_fields
+
+    from specdec.llm import chat_token_ids
+
+    question = chat_token_ids(llm_plain.tokenizer, [{"role": "user", "content": QUESTION}])
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
+    answer = llm_plain.generate([{"prompt_token_ids": question}], params)[0].outputs[0].token_ids
+    # The answer pasted into the prompt, then the question again: the greedy continuation is the answer.
+    prompt = {"prompt_token_ids": list(answer) + list(question)}
+    out: dict[str, float] = {}
+    for name, llm in (("plain", llm_plain), ("ngram", llm_ngram)):
+        llm.generate([prompt], params)  # warm-up (and prefix caching of the prompt for both)
+        if name == "ngram":
+            llm.engine.reset_spec_stats()
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        out[f"{name}_tokens_per_s"] = cfg.max_tokens / (time.perf_counter() - t0)
+    stats = spec_stats_fields(llm_ngram)
+    out["ngram_tau"] = stats["tau"]
+    out["ngram_speedup"] = out["ngram_tokens_per_s"] / out["plain_tokens_per_s"]
+    out["ngram_speedup_over_tau"] = out["ngram_speedup"] / out["ngram_tau"]
+    return out
+
+
+def run(cfg: BenchStepConfig) -> dict[str, Any]:
+    from specdec.llm import LLM
+
+    common = {"dtype": cfg.dtype, "device": "cpu", "compile": cfg.compile}
+    llm = LLM(cfg.model, **common)
+    rows = step_rows(llm, cfg)
+    result: dict[str, Any] = {"model": cfg.model, "dtype": cfg.dtype, "compile": cfg.compile,
+                              "threads": torch.get_num_threads()}  # fmt: skip
+    for name, ms in rows.items():
+        result[f"{name}_ms"] = ms
+        if name != "plain":
+            result[f"{name}_over_plain"] = ms / rows["plain"]
+    spec = {"method": "ngram", "num_speculative_tokens": cfg.k}
+    result.update(ngram_row(llm, LLM(cfg.model, speculative_config=spec, **common), cfg))
+    return result
+
+
+#: ``main()``: Hydra's command line; ``main(["dtype=float32"])``: compose, run, return the result.
+main = benchmark("bench_step", BenchStepConfig, run, device="cpu")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The CPU kernels' extension module: ``kernels/csrc/*.cpp`` built once per machine.
+
+One module holds every CPU kernel (:mod:`kernels.cpu_gemv`, :mod:`kernels.cpu_attention`). It is built
+with torch's C++ extension mechanism (``torch.utils.cpp_extension.load``: needs a C++ compiler and
+``ninja``; about a minute on 2 cores, then cached under ``TORCH_EXTENSIONS_DIR``), compiled for this CPU
+(``-march=native``, OpenMP). The build is keyed by the sources, the CPU's flags and torch's version, so a
+home directory shared between machines is safe. A build that fails logs one warning and returns None:
+every kernel then falls back to its torch reference.
+
+``SPECDEC_FORCE_REFERENCE=1`` turns every kernel off (the references run); each kernel module has its own
+switch too (``SPECDEC_CPU_GEMV=0``, ``SPECDEC_CPU_ATTENTION=0``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("kernels.cpu_ext")
+
+_CSRC = Path(__file__).parent / "csrc"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _sources() -> list[Path]:
+    return sorted(_CSRC.glob("*.cpp"))
+
+
+@functools.cache
+def load_extension() -> Any | None:
+    """The built module (functions ``gemv``, ``paged_attention_short``, ``has_avx2``), or None where it
+    cannot build (logged once)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        sources = _sources()
+        text = "".join(p.read_text() for p in sorted(_CSRC.iterdir()) if p.is_file())
+        key = hashlib.sha256((text + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+        logger.info("loading the CPU kernels (built once per machine, about a minute on 2 cores)")
+        return load(
+            f"specdec_cpu_kernels_{key}",
+            sources=[str(p) for p in sources],
+            extra_include_paths=[str(_CSRC)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # no compiler, no ninja, an unsupported CPU: the references serve
+        logger.warning("the CPU kernels did not build (%s: %s); using the torch references", type(e).__name__, e)
+        return None

@@ -1,0 +1,19 @@
+// Python bindings of the CPU kernels (one extension module, built by kernels/cpu_ext.py).
+#include <torch/extension.h>
+#include "cpu_simd.h"
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
+void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
+                           torch::Tensor q_len, torch::Tensor seq_len, torch::Tensor mask_offset,
+                           torch::Tensor masks, torch::Tensor out, double scale);
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "y = x @ w^T + bias for a few rows (kernels/csrc/cpu_gemv.cpp)");
+  m.def("paged_attention_short", &paged_attention_short,
+        "paged attention of short queries (kernels/csrc/cpu_attention.cpp)");
+  m.def("write_kv", &write_kv, "store new K/V rows at their cache slots (kernels/csrc/cpu_attention.cpp)");
+  m.def("has_avx2", &specdec_cpu::has_avx2, "whether the kernels were compiled with AVX2 + FMA");
+}

@@ -1,0 +1,152 @@
+// Paged attention for short queries on the CPU: decode rows, draft verification chains and token trees.
+//
+// For each of m requests, its q_len new queries (rows q_start .. q_start + q_len of the flattened batch)
+// attend to the request's seq_len keys, read through its block table from the paged caches
+// k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim]. The first ctx = seq_len - q_len keys
+// are context, seen by every query; among the new keys, query r sees key r' when r' <= r (causal) or when
+// the request's tree attention mask says so (masks[mask_offset + r * q_len + r'], uint8).
+//
+// One task per (request, KV head), at::parallel_for over them: the task's G * q_len query rows (G query
+// heads per KV head, grouped-query attention) are scored against each key as it is read, so K and V are
+// read once per KV head. Scores, softmax and the weighted sum of values are float32; float32 and bfloat16
+// caches and queries. Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
+// tests/kernels/test_cpu_attention.py compares them.
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#include "cpu_simd.h"
+
+namespace {
+
+using namespace specdec_cpu;
+
+template <typename T>
+void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* block_table, int64_t bt_stride,
+            const int64_t* reqs, const int64_t* q_start, const int64_t* q_len, const int64_t* seq_len,
+            const int64_t* mask_offset, const uint8_t* masks, T* out, int64_t m, int64_t H, int64_t KVH,
+            int64_t D, int64_t block_size, float scale) {
+  const int64_t G = H / KVH;
+  at::parallel_for(0, m * KVH, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> q, scores, acc;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t i = task / KVH, g = task % KVH;
+      const int64_t ql = q_len[i], L = seq_len[i], ctx = L - ql, R = ql * G;
+      const int64_t* blocks = block_table + reqs[i] * bt_stride;
+      const uint8_t* mask = mask_offset[i] >= 0 ? masks + mask_offset[i] : nullptr;
+      // Query rows rr = r * G + h: query r of the request, head g * G + h, pre-scaled, as float32.
+      q.assign(R * D, 0.f);
+      for (int64_t r = 0; r < ql; ++r)
+        for (int64_t h = 0; h < G; ++h) {
+          const T* src = query + ((q_start[i] + r) * H + g * G + h) * D;
+          for (int64_t d = 0; d < D; ++d) q[(r * G + h) * D + d] = to_float(src[d]) * scale;
+        }
+      scores.assign(R * L, -std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < L; ++j) {
+        const T* k = k_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+        const int64_t nj = j - ctx;  // index among the new keys, negative for context
+        for (int64_t r = 0; r < ql; ++r) {
+          if (nj >= 0 && (mask ? !mask[r * ql + nj] : nj > r)) continue;
+          for (int64_t h = 0; h < G; ++h) scores[(r * G + h) * L + j] = dot(k, &q[(r * G + h) * D], D);
+        }
+      }
+      for (int64_t rr = 0; rr < R; ++rr) softmax_inplace(&scores[rr * L], L);
+      acc.assign(R * D, 0.f);
+      for (int64_t j = 0; j < L; ++j) {
+        const T* v = v_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+        for (int64_t rr = 0; rr < R; ++rr) {
+          const float p = scores[rr * L + j];
+          if (p != 0.f) axpy(p, v, &acc[rr * D], D);
+        }
+      }
+      for (int64_t r = 0; r < ql; ++r)
+        for (int64_t h = 0; h < G; ++h) {
+          T* dst = out + ((q_start[i] + r) * H + g * G + h) * D;
+          for (int64_t d = 0; d < D; ++d) from_float(acc[(r * G + h) * D + d], dst + d);
+        }
+    }
+  });
+}
+
+template <typename T>
+void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t n) {
+  const int64_t KVH = cache.size(2), D = cache.size(3);
+  const T* s = src.data_ptr<T>();
+  T* c = cache.data_ptr<T>();
+  for (int64_t t = 0; t < n; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < KVH; ++h)
+      std::memcpy(c + (slots[t] * KVH + h) * D, s + t * src.stride(0) + h * src.stride(1), D * sizeof(T));
+  }
+}
+
+}  // namespace
+
+// key, value [T, KVH, D] (unit stride along D) stored at slot_mapping [T] (int64; -1: skipped) of
+// k_cache, v_cache [num_blocks, block_size, KVH, D], all of one dtype (float32 or bfloat16).
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && key.size(1) == k_cache.size(2) &&
+                  key.size(2) == k_cache.size(3),
+              "write_kv: key/value [T, KVH, D], caches [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "write_kv: unit stride along head_dim and contiguous caches");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "write_kv: key, value and caches of one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == key.size(0),
+              "write_kv: slot_mapping [T] int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t n = key.size(0), capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(slots[t] < capacity, "write_kv: slot out of range");
+  if (key.scalar_type() == torch::kFloat32) {
+    write_rows<float>(key, k_cache, slots, n);
+    write_rows<float>(value, v_cache, slots, n);
+  } else {
+    TORCH_CHECK(key.scalar_type() == torch::kBFloat16, "write_kv: float32 or bfloat16");
+    write_rows<at::BFloat16>(key, k_cache, slots, n);
+    write_rows<at::BFloat16>(value, v_cache, slots, n);
+  }
+}
+
+// query [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] (query's dtype, contiguous);
+// block_table [B, max_blocks] int64; reqs, q_start, q_len, seq_len, mask_offset [m] int64 (reqs: rows of
+// block_table; mask_offset -1: causal); masks uint8 (flat tree masks); out [T, H, D], rows of the m
+// requests written.
+void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
+                           torch::Tensor q_len, torch::Tensor seq_len, torch::Tensor mask_offset,
+                           torch::Tensor masks, torch::Tensor out, double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention_short: query [T, H, D], caches [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
+              "paged_attention_short: contiguous query, caches and out");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "paged_attention_short: query, caches and out of one dtype");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.stride(1) == 1,
+              "paged_attention_short: block_table int64 with contiguous rows");
+  for (const auto& t : {reqs, q_start, q_len, seq_len, mask_offset})
+    TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous(), "paged_attention_short: int64 vectors");
+  TORCH_CHECK(masks.scalar_type() == torch::kUInt8 && masks.is_contiguous(), "paged_attention_short: uint8 masks");
+  const int64_t H = query.size(1), D = query.size(2), KVH = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "paged_attention_short: head_dim / head counts mismatch");
+  const int64_t m = reqs.numel();
+  const uint8_t* mp = masks.numel() ? masks.data_ptr<uint8_t>() : nullptr;
+  if (query.scalar_type() == torch::kFloat32) {
+    attend<float>(query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                  block_table.data_ptr<int64_t>(), block_table.stride(0), reqs.data_ptr<int64_t>(),
+                  q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(),
+                  mask_offset.data_ptr<int64_t>(), mp, out.data_ptr<float>(), m, H, KVH, D, block_size,
+                  static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(query.scalar_type() == torch::kBFloat16, "paged_attention_short: float32 or bfloat16");
+    attend<at::BFloat16>(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                         v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int64_t>(),
+                         block_table.stride(0), reqs.data_ptr<int64_t>(), q_start.data_ptr<int64_t>(),
+                         q_len.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(),
+                         mask_offset.data_ptr<int64_t>(), mp, out.data_ptr<at::BFloat16>(), m, H, KVH, D,
+                         block_size, static_cast<float>(scale));
+  }
+}

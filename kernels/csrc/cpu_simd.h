@@ -1,0 +1,121 @@
+// SIMD helpers shared by the CPU kernels (cpu_gemv.cpp, cpu_attention.cpp): float32 / bfloat16 loads
+// widened to float32, 8-lane AVX2 when the compiler targets it (SPECDEC_AVX2), scalar otherwise.
+#pragma once
+#include <torch/extension.h>
+#include <cstdint>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPECDEC_AVX2 1
+#endif
+
+namespace specdec_cpu {
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#ifdef SPECDEC_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+// float32 value of a float32 or bfloat16 element, stored back in T.
+inline void from_float(float v, float* p) { *p = v; }
+inline void from_float(float v, at::BFloat16* p) { *p = at::BFloat16(v); }
+
+// dot(a[0:n], b[0:n]), a in W (float32 or bfloat16), b float32. Four accumulators: one dependent FMA
+// chain would wait on the FMA latency at every step.
+template <typename W>
+inline float dot(const W* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef SPECDEC_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(load8(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc2 = _mm256_fmadd_ps(load8(a + i + 16), _mm256_loadu_ps(b + i + 16), acc2);
+    acc3 = _mm256_fmadd_ps(load8(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc0);
+  s = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+#endif
+  for (; i < n; ++i) s += to_float(a[i]) * b[i];
+  return s;
+}
+
+// y[0:n] += alpha * a[0:n], a in W, y float32.
+template <typename W>
+inline void axpy(float alpha, const W* a, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef SPECDEC_AVX2
+  const __m256 va = _mm256_set1_ps(alpha);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(a + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += alpha * to_float(a[i]);
+}
+
+// s[0:n] <- exp(s - max) / sum, in place (a softmax row; -inf entries become exactly 0).
+inline void softmax_inplace(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  float sum = 0.f;
+  int64_t j = 0;
+#ifdef SPECDEC_AVX2
+  // exp by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes' expf constants,
+  // about 1 ulp); inputs below -87 (the masked -inf entries among them) give 0.
+  const __m256 vmx = _mm256_set1_ps(mx), lo = _mm256_set1_ps(-87.f);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), vmx);
+    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    _mm256_storeu_ps(s + j, y);
+    vsum = _mm256_add_ps(vsum, y);
+  }
+  sum = hsum(vsum);
+#endif
+  for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  const float inv = 1.f / sum;
+  for (j = 0; j < n; ++j) s[j] *= inv;
+}
+
+inline bool has_avx2() {
+#ifdef SPECDEC_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace specdec_cpu

@@ -1,0 +1,140 @@
+"""The CPU attention kernel (``kernels/csrc/cpu_attention.cpp``, through
+:class:`~specdec.attention.cpu_backend.CpuAttention`) against its reference, ``ReferenceAttention``.
+
+Random flattened batches mixing decode rows, verification chains, token trees (random tree attention
+masks), prefill chunks (which both backends send through SDPA) and requests whose keys cross block
+boundaries, under several grouped-query ratios and block sizes (hypothesis draws them). float32 agrees
+to rounding; bfloat16 outputs are compared with the reference run in float32 on the same inputs. Then
+backend selection, and the checks the kernel makes on its inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import cpu_attention
+from kernels.attention_metadata import AttentionMetadata
+from specdec.attention.cpu_backend import CpuAttention
+from specdec.attention.reference import ReferenceAttention
+from specdec.errors import ConfigError
+from specdec.model_runner import select_attention_backend
+
+needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU kernels do not build here")
+
+
+def _random_tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
+    """A token tree's attention mask: node i's parent is a random earlier node (node 0 is the root)."""
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        parent = int(torch.randint(0, i, (1,), generator=g))
+        mask[i] |= mask[parent]
+    return mask
+
+
+def _batch(specs, heads, kv_heads, head_dim, block_size, dtype, seed):
+    """Caches, inputs and a metadata factory for requests ``specs`` = [(query_len, seq_len, tree)]."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-s // block_size) for _, s, _ in specs)
+    num_blocks = max_blocks * len(specs) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    block_table = perm[: max_blocks * len(specs)].view(len(specs), max_blocks).clone()
+    query_lens = [q for q, _, _ in specs]
+    seq_lens = [s for _, s, _ in specs]
+    slots = [
+        int(block_table[b, p // block_size]) * block_size + p % block_size
+        for b, (q, s, _) in enumerate(specs)
+        for p in range(s - q, s)
+    ]
+    masks = [_random_tree_mask(q, g) if tree else None for q, _, tree in specs]
+    total = sum(query_lens)
+    query = torch.randn(total, heads, head_dim, generator=g).to(dtype)
+    key = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    value = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    starts = torch.tensor([0, *torch.cumsum(torch.tensor(query_lens), 0).tolist()])
+
+    def metadata():
+        return AttentionMetadata(
+            starts, torch.tensor(seq_lens), torch.tensor(slots), block_table, query_lens, seq_lens,
+            masks if any(m is not None for m in masks) else None,
+        )  # fmt: skip
+
+    return query, key, value, k_cache, v_cache, metadata
+
+
+def _run(backend, query, key, value, k_cache, v_cache, metadata, dtype=None):
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    return backend.forward(
+        cast(query), cast(key), cast(value), cast(k_cache).clone(), cast(v_cache).clone(), metadata(), 0.125
+    )
+
+
+_request = st.tuples(
+    st.sampled_from(["decode", "chain", "tree", "prefill"]),
+    st.integers(min_value=0, max_value=70),  # context tokens
+    st.integers(min_value=2, max_value=9),  # chain / tree length
+)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(
+    requests=st.lists(_request, min_size=1, max_size=6),
+    group=st.sampled_from([1, 3, 4]),
+    block_size=st.sampled_from([1, 4, 16]),
+    head_dim=st.sampled_from([8, 12, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_float32_equals_reference(requests, group, block_size, head_dim, seed):
+    specs = []
+    for kind, context, n in requests:
+        q = {"decode": 1, "chain": n, "tree": n, "prefill": 33 + n}[kind]
+        specs.append((q, context + q, kind == "tree"))
+    inputs = _batch(specs, 2 * group, 2, head_dim, block_size, torch.float32, seed)
+    want = _run(ReferenceAttention(), *inputs)
+    got = _run(CpuAttention(), *inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_bfloat16_within_one_rounding_of_float32():
+    specs = [(1, 37, False), (5, 60, False), (6, 20, True), (40, 55, False), (1, 1, False), (16, 200, True)]
+    inputs = _batch(specs, 9, 3, 64, 16, torch.bfloat16, seed=7)
+    got = _run(CpuAttention(), *inputs)
+    assert got.dtype == torch.bfloat16
+    want = _run(ReferenceAttention(), *inputs, dtype=torch.float32)  # the same bf16 values, in float32
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2e-3)
+
+
+@needs_kernel
+def test_selection():
+    cpu = torch.device("cpu")
+    assert type(select_attention_backend(cpu)) is CpuAttention  # auto on a CPU where the kernel builds
+    assert type(select_attention_backend(cpu, "cpu")) is CpuAttention
+    assert type(select_attention_backend(cpu, "reference")) is ReferenceAttention
+    assert type(select_attention_backend(cpu, "auto", "int8")) is ReferenceAttention  # int8: the reference
+    with pytest.raises(ConfigError, match="int8"):
+        select_attention_backend(cpu, "cpu", "int8")
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv(cpu_attention.DISABLE_ENV, "0")
+    assert not cpu_attention.available()
+    assert type(select_attention_backend(torch.device("cpu"))) is ReferenceAttention
+
+
+@needs_kernel
+def test_kernel_checks_its_inputs():
+    query, key, value, k_cache, v_cache, metadata = _batch([(3, 10, False)], 4, 2, 8, 4, torch.float32, 0)
+    one = torch.zeros(1, dtype=torch.int64)
+    args = (metadata().block_table, one, one, one + 3, one + 10, one - 1, torch.empty(0, dtype=torch.uint8))
+    out = torch.empty_like(query)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_attention.paged_attention_short(query, k_cache.double(), v_cache.double(), *args, out, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_attention.paged_attention_short(query.transpose(0, 1), k_cache, v_cache, *args, out, 1.0)
+    cpu_attention.paged_attention_short(query, k_cache, v_cache, *args, out, 1.0)  # well-formed: runs
