@@ -174,13 +174,17 @@ def test_the_failed_request_is_reported_through_llm_generate(tiny_text_model_dir
 def test_nan_written_into_the_kv_cache_does_not_reach_later_requests(tiny_text_model_dirs, monkeypatch):
     """A forward that turns NaN writes NaN K/V too. The blocks only the failed request held are zeroed
     before they return to the pool: later requests that get them (and read their stale slots, masked,
-    in the batched attention path) are unchanged. Negative control: without the zeroing they are not."""
+    in the reference's batched attention path, where a 0 probability times NaN is NaN) are unchanged.
+    Negative control: without the zeroing they are not. Run on the reference attention backend: the CPU
+    kernel never reads a masked slot, so there the control would pass either way."""
     dirs = tiny_text_model_dirs
     later = [0, 2, 3]
     want = reference(dirs, "plain", later)
 
     def run(scrub: bool) -> dict[int, tuple[list[int], str | None]]:
+        monkeypatch.setenv("SPECDEC_CPU_ATTENTION", "0")  # the backend is chosen when the LLM is built
         llm = make_llm(dirs, "plain", num_kv_blocks=24, enable_prefix_caching=False)
+        assert type(llm.engine.runner.attention).__name__ == "ReferenceAttention"
         engine = llm.engine
         if not scrub:
             monkeypatch.setattr("specdec.engine.faults.zero_blocks", lambda *a: None)
