@@ -23,12 +23,9 @@ within one bfloat16 rounding.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels._triton import force_reference
-from kernels.cpu_ext import load_extension
+from kernels.cpu_ext import enabled, require_extension
 
 __all__ = ["available", "paged_attention_short", "write_kv"]
 
@@ -37,9 +34,7 @@ DISABLE_ENV = "SPECDEC_CPU_ATTENTION"
 
 def available() -> bool:
     """Whether the kernel can be used here: not disabled and built (on the first call)."""
-    if force_reference() or os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
-    return load_extension() is not None
+    return enabled(DISABLE_ENV)
 
 
 def paged_attention_short(
@@ -76,10 +71,7 @@ def paged_attention_short(
     Raises:
         RuntimeError: shapes or dtypes it does not take, or the kernel is not built.
     """
-    ext = load_extension()
-    if ext is None:
-        raise RuntimeError("the CPU kernels are not built here (see kernels.cpu_attention.available)")
-    ext.paged_attention_short(
+    require_extension().paged_attention_short(
         query, k_cache, v_cache, block_table, reqs, q_start, q_len, seq_len, mask_offset, masks, out, scale
     )
 
@@ -95,7 +87,4 @@ def write_kv(
         RuntimeError: shapes, strides or dtypes it does not take, a slot past the cache, or the kernel is
             not built.
     """
-    ext = load_extension()
-    if ext is None:
-        raise RuntimeError("the CPU kernels are not built here (see kernels.cpu_attention.available)")
-    ext.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    require_extension().write_kv(key, value, k_cache, v_cache, slot_mapping)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,8 @@ def _sources() -> list[Path]:
 
 @functools.cache
 def load_extension() -> Any | None:
-    """The built module (functions ``gemv``, ``paged_attention_short``, ``has_avx2``), or None where it
-    cannot build (logged once)."""
+    """The built module (functions ``gemv``, ``paged_attention_short``, ``write_kv``, ``has_avx2``), or None
+    where it cannot build (logged once)."""
     try:
         from torch.utils.cpp_extension import load
 
@@ -61,3 +62,25 @@ def load_extension() -> Any | None:
     except Exception as e:  # no compiler, no ninja, an unsupported CPU: the references serve
         logger.warning("the CPU kernels did not build (%s: %s); using the torch references", type(e).__name__, e)
         return None
+
+
+def enabled(disable_env: str) -> bool:
+    """Whether a kernel may run here: not turned off (``SPECDEC_FORCE_REFERENCE=1`` or its own
+    ``disable_env=0``) and the module built (on the first call)."""
+    from kernels._triton import force_reference
+
+    if force_reference() or os.environ.get(disable_env, "1") == "0":
+        return False
+    return load_extension() is not None
+
+
+def require_extension() -> Any:
+    """The built module.
+
+    Raises:
+        RuntimeError: it is not built here (callers check :func:`enabled` first).
+    """
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("the CPU kernels are not built here (see kernels.cpu_ext.enabled)")
+    return ext

@@ -24,13 +24,11 @@ Accuracy: float32 accumulation in a different order than ``F.linear``: float32 o
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import force_reference
-from kernels.cpu_ext import load_extension
+from kernels.cpu_ext import enabled, require_extension
 
 #: Rows up to which the kernel is used (it reads the weights once per 8 rows; wider inputs are GEMMs).
 MAX_ROWS = 16
@@ -56,9 +54,7 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def available() -> bool:
     """Whether :func:`gemv` can use the kernel here: not disabled (``SPECDEC_CPU_GEMV=0``,
     ``SPECDEC_FORCE_REFERENCE=1``) and built (on the first call)."""
-    if force_reference() or os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
-    return load_extension() is not None
+    return enabled(DISABLE_ENV)
 
 
 @torch.library.custom_op("specdec::cpu_gemv", mutates_args=())
@@ -69,11 +65,8 @@ def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     Raises:
         RuntimeError: shapes or dtypes it does not take, or the kernel is not built.
     """
-    ext = load_extension()
-    if ext is None:
-        raise RuntimeError("the CPU GEMV kernel is not built here (see kernels.cpu_gemv.available)")
     empty = x.new_empty(0, dtype=torch.float32)
-    return ext.gemv(x, weight, empty if bias is None else bias)
+    return require_extension().gemv(x, weight, empty if bias is None else bias)
 
 
 @cpu_gemv.register_fake

@@ -30,6 +30,7 @@ class _ShortBatch:
     seq_len: torch.Tensor  # [m] int64
     mask_offset: torch.Tensor  # [m] int64, -1 for causal
     masks: torch.Tensor  # [*] uint8, tree attention masks flattened
+    block_table: torch.Tensor  # [B, max_blocks] int64, rows contiguous
 
 
 def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> _ShortBatch:
@@ -47,7 +48,10 @@ def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> _ShortBatch:
         flat.append(mask.reshape(-1).to(torch.uint8))
         at += q_len * q_len
     packed = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-    return _ShortBatch(columns[0], columns[1], columns[2], columns[3], torch.tensor(offsets), packed)
+    block_table = metadata.block_table
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    return _ShortBatch(columns[0], columns[1], columns[2], columns[3], torch.tensor(offsets), packed, block_table)
 
 
 class CpuAttention(ReferenceAttention):
@@ -78,10 +82,7 @@ class CpuAttention(ReferenceAttention):
         batch = metadata.backend_cache.get("cpu_short")
         if batch is None:
             batch = metadata.backend_cache["cpu_short"] = _short_batch(metadata, plan)
-        block_table = metadata.block_table
-        if block_table.stride(-1) != 1:
-            block_table = block_table.contiguous()
         cpu_attention.paged_attention_short(
-            query.contiguous(), k_cache, v_cache, block_table, batch.reqs, batch.q_start, batch.q_len,
+            query.contiguous(), k_cache, v_cache, batch.block_table, batch.reqs, batch.q_start, batch.q_len,
             batch.seq_len, batch.mask_offset, batch.masks, out, scale,
         )  # fmt: skip

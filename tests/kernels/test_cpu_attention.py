@@ -138,3 +138,8 @@ def test_kernel_checks_its_inputs():
     with pytest.raises(RuntimeError, match="contiguous"):
         cpu_attention.paged_attention_short(query.transpose(0, 1), k_cache, v_cache, *args, out, 1.0)
     cpu_attention.paged_attention_short(query, k_cache, v_cache, *args, out, 1.0)  # well-formed: runs
+    # ... and attends as the reference does over the cache as it is (slot -1: nothing written).
+    md = metadata()
+    md.slot_mapping = torch.full_like(md.slot_mapping, -1)
+    want = ReferenceAttention().forward(query, key, value, k_cache, v_cache, md, 1.0)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
