@@ -219,6 +219,29 @@ def test_compiled_equals_eager_on_chains_trees_prefix_caching_and_preemption(tre
     assert counters["stats"]["unique_graphs"] - graphs_before <= 3 * len(BUCKETS)
 
 
+def test_a_thread_count_change_reuses_the_compiled_graphs(tree_target):
+    """The engine's adaptive threads change torch's thread count under load: that must not recompile
+    (dynamo's global-state guard holds the count; the compiled decoder drops it), and the output stays
+    the same."""
+    counters = torch._dynamo.utils.counters
+    prompts = _prompts(3)
+    before = torch.get_num_threads()
+    llm = LLM(tree_target, skip_tokenizer_init=True, block_size=4, cpu_threads=None,
+              compile={"buckets": BUCKETS, "backend": "eager"})  # fmt: skip
+    try:
+        torch.set_num_threads(1)
+        first = _run(llm, prompts)
+        graphs = counters["stats"]["unique_graphs"]
+        compiled = llm.engine.runner.compile_stats.compiled_calls
+        torch.set_num_threads(2)
+        second = _run(llm, prompts)
+    finally:
+        torch.set_num_threads(before)
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation at the new count
+    assert llm.engine.runner.compile_stats.compiled_calls > compiled  # ... and the graphs still ran
+    assert [o.token_ids for o in second] == [o.token_ids for o in first]
+
+
 def test_compiled_forward_keeps_a_grammar(tiny_text_model_dirs):
     path = next(iter(tiny_text_model_dirs.values()))
     sp = SamplingParams(temperature=0, max_tokens=12, regex="(ab|cd)+x")

@@ -10,6 +10,18 @@ void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Te
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
 
+// The GEMV kernel as a dispatcher operator, specdec_cpu::gemv: a linear layer calls it ~120 times per
+// decode step, and through the dispatcher a call costs a few microseconds where a Python custom op costs
+// ~25. kernels/cpu_gemv.py defines its schema, "gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor", and its
+// fake (for torch.compile) at import, before this module is built; loading the module adds the CPU kernel.
+torch::Tensor gemv_op(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias) {
+  return gemv(x, w, bias.has_value() ? *bias : torch::Tensor());
+}
+
+TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
+  m.impl("gemv", &gemv_op);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x @ w^T + bias for a few rows (kernels/csrc/cpu_gemv.cpp)");
   m.def("paged_attention_short", &paged_attention_short,

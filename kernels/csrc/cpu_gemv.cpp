@@ -132,7 +132,7 @@ void gemv_typed(const torch::Tensor& x, const torch::Tensor& w, const float* bia
 }  // namespace
 
 // x [M, K] (float32 or bfloat16, unit stride along K), w [N, K] (float32 or bfloat16, contiguous), bias
-// [N] or empty. Returns y [M, N] in x's dtype.
+// [N], or undefined / empty for none. Returns y [M, N] in x's dtype.
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, K], w [N, K]");
   TORCH_CHECK(w.is_contiguous(), "gemv: w must be contiguous");
@@ -144,7 +144,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
   torch::Tensor bf;
   const float* bp = nullptr;
-  if (bias.numel()) {
+  if (bias.defined() && bias.numel()) {
     bf = bias.to(torch::kFloat32).contiguous();
     bp = bf.data_ptr<float>();
   }

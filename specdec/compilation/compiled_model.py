@@ -12,7 +12,13 @@ oneDNN), so the eager model's :class:`~specdec.models.packed_linear.PackedLinear
 with compilation. Linears that run the CPU GEMV kernel (:class:`~specdec.models.cpu_linear.GemvLinear`)
 stay opaque ``specdec::cpu_gemv`` calls in the graph: their weights are neither frozen nor copied.
 Module guards are skipped (the weights are frozen constants), so a call costs the input-shape guards
-only. Inductor's FX graph cache (on by default,
+only. The global-state guard is skipped too: it holds torch's intra-op thread count, and the engine's
+adaptive threads (:mod:`specdec.engine.threads`) change that count under load, which would recompile
+every bucket (about 20 s each) per count. So on the CPU inductor's own loops (norms, RoPE, activations:
+a few microseconds per step) are generated single-threaded (``cpp.threads=1``), and the work that
+matters (the GEMV kernel, oneDNN linears, attention) is opaque to the graph and reads the thread count
+at run time. The other global state the guard held is grad mode: a call with grad enabled runs the eager
+model. Inductor's FX graph cache (on by default,
 under ``TORCHINDUCTOR_CACHE_DIR``) makes a second process's compilations faster.
 
 Exactness: the compiled graph computes the same operations as :meth:`DecoderLM.forward` (greedy tokens
@@ -65,6 +71,13 @@ class CompileStats:
         return sum(self.compile_time_s.values())
 
 
+def _shape_guards_only(entries: Sequence[Any]) -> list[bool]:
+    """``torch.compile``'s ``guard_filter_fn``: keep the guards on the inputs, drop those on the decoder's
+    modules and the global-state guard (grad mode, intra-op threads)."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    return [k and entry.guard_type != "GLOBAL_STATE" for k, entry in zip(keep, entries, strict=True)]
+
+
 class CompiledDecoder:
     """Calls like :meth:`DecoderLM.forward`; compiled for batches of at most ``max(buckets)`` tokens.
 
@@ -89,7 +102,7 @@ class CompiledDecoder:
         self.stats = CompileStats()
         device = next(model.parameters()).device
         if options is None and backend == "inductor":
-            options = {"freezing": True} if device.type == "cpu" else {}
+            options = {"freezing": True, "cpp.threads": 1} if device.type == "cpu" else {}
         ops = [LayerAttentionOp(i) for i in range(len(model.layers))]
         no_caches = cast(Sequence[tuple[torch.Tensor, torch.Tensor]], [(None, None)] * len(ops))
         no_metadata = cast(AttentionMetadata, None)
@@ -106,9 +119,9 @@ class CompiledDecoder:
         torch._dynamo.config.recompile_limit = max(limit, len(self.buckets) + 1)
         # One graph per bucket: static shapes, so dynamo specialises each bucket and never recompiles one.
         # Guards on the decoder's modules are dropped: its weights are frozen into the graphs anyway, and
-        # checking ~300 module guards cost ~0.9 ms per call here; the input-shape guards that pick a
-        # bucket's graph stay.
-        options = {**(options or {}), "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        # checking ~300 module guards cost ~0.9 ms per call here; the global-state guard is dropped (see
+        # the module docstring); the input-shape guards that pick a bucket's graph stay.
+        options = {**(options or {}), "guard_filter_fn": _shape_guards_only}
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
             body, backend=backend, options=options, dynamic=False, fullgraph=True
         )
@@ -130,7 +143,7 @@ class CompiledDecoder:
         """As :meth:`DecoderLM.forward`."""
         n = input_ids.shape[0]
         bucket = pick_bucket(n, self.buckets)
-        if bucket is None:
+        if bucket is None or torch.is_grad_enabled():
             self.stats.eager_calls += 1
             return self.model(
                 input_ids, positions, list(kv_caches), metadata, attention, logits_indices, all_hidden
