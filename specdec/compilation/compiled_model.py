@@ -10,7 +10,7 @@ the sampler or the cache. Forwards wider than the largest bucket run the eager m
 On the CPU inductor freezes the weights (``freezing=True``: folded as constants and pre-packed for
 oneDNN), so the eager model's :class:`~specdec.models.packed_linear.PackedLinear` packing is not used
 with compilation. Linears that run the CPU GEMV kernel (:class:`~specdec.models.cpu_linear.GemvLinear`)
-stay opaque ``specdec::cpu_gemv`` calls in the graph: their weights are neither frozen nor copied.
+stay opaque ``specdec_cpu::gemv`` calls in the graph: their weights are neither frozen nor copied.
 Module guards are skipped (the weights are frozen constants), so a call costs the input-shape guards
 only. The global-state guard is skipped too: it holds torch's intra-op thread count, and the engine's
 adaptive threads (:mod:`specdec.engine.threads`) change that count under load, which would recompile

@@ -16,6 +16,9 @@ thread count when the engine started (``OMP_NUM_THREADS`` or ``torch.set_num_thr
 integer fixes the count; None leaves torch's setting alone. Where ``/proc`` is missing (not Linux),
 ``"auto"`` keeps the starting count.
 
+With ``compile=True`` a change of the count reuses the compiled graphs (the compiled decoder drops
+dynamo's global-state guard, which holds the count; :mod:`specdec.compilation.compiled_model`).
+
 Only the thread count changes; outputs do not depend on it (every kernel's reduction order is fixed
 per row) beyond float32 rounding in torch's own parallel reductions.
 """
