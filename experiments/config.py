@@ -62,12 +62,27 @@ class ModelConfig:
 # ----------------------------------------------------------------------------------------- drafter
 @dataclass
 class DrafterConfig:
-    """Base of the drafter options; ``method`` names the option."""
+    """Base of the drafter options; ``method`` names the option.
+
+    Attributes:
+        policy: the speculation policy (``drafter.policy=batch_size``; :mod:`specdec.policies`).
+        policy_kwargs: its parameters (``'+drafter.policy_kwargs.schedule=[[4,4],[16,1]]'``).
+    """
 
     method: str = MISSING
+    policy: str = "static"
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def speculative_config(self) -> dict[str, Any] | None:
-        """The ``speculative_config`` argument of ``specdec.LLM`` (None: no speculation)."""
+        """The ``speculative_config`` argument of ``specdec.LLM`` (None: no speculation): the drafter's
+        fields, and the policy where it is not the default."""
+        spec = self._method_config()
+        if spec is not None and (self.policy != "static" or self.policy_kwargs):
+            spec["policy"] = self.policy
+            spec["policy_kwargs"] = dict(self.policy_kwargs) or None
+        return spec
+
+    def _method_config(self) -> dict[str, Any] | None:
         raise NotImplementedError
 
 
@@ -77,7 +92,7 @@ class NoDrafterConfig(DrafterConfig):
 
     method: str = "none"
 
-    def speculative_config(self) -> dict[str, Any] | None:
+    def _method_config(self) -> dict[str, Any] | None:
         """None: plain decoding."""
         return None
 
@@ -97,7 +112,7 @@ class NgramDrafterConfig(DrafterConfig):
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
 
-    def speculative_config(self) -> dict[str, Any] | None:
+    def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "ngram", ...}`` for ``specdec.LLM``."""
         return {
             "method": "ngram",
@@ -120,7 +135,7 @@ class DraftModelDrafterConfig(DrafterConfig):
     model: str = "qwen2.5-coder-0.5b-instruct"
     num_speculative_tokens: int = 4
 
-    def speculative_config(self) -> dict[str, Any] | None:
+    def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "draft_model", ...}`` for ``specdec.LLM``."""
         return {
             "method": "draft_model",
@@ -146,7 +161,7 @@ class QuantizedSelfDrafterConfig(DrafterConfig):
     zero_point: bool = False
     num_speculative_tokens: int = 4
 
-    def speculative_config(self) -> dict[str, Any] | None:
+    def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "quantized_self", ...}`` for ``specdec.LLM``."""
         scheme: dict[str, Any] = {"method": self.quantization}
         if self.group_size is not None:
@@ -185,7 +200,7 @@ class HeadDrafterConfig(DrafterConfig):
     tree_topk: int = 4
     max_tree_nodes: int = 16
 
-    def speculative_config(self) -> dict[str, Any] | None:
+    def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "medusa" | "eagle", ...}`` for ``specdec.LLM``."""
         return {
             "method": self.method,
@@ -238,7 +253,7 @@ class RegisteredDrafterConfig(DrafterConfig):
     drafter_kwargs: dict[str, Any] = field(default_factory=dict)
     import_module: str | None = None
 
-    def speculative_config(self) -> dict[str, Any] | None:
+    def _method_config(self) -> dict[str, Any] | None:
         """``{"method": <method>, ...}`` for ``specdec.LLM``: the fields, passed through."""
         return {
             "method": self.method,

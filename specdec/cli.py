@@ -72,6 +72,8 @@ def _generate(args: argparse.Namespace) -> int:
             spec["tree"] = args.tree
         if args.draft_quantization is not None:
             spec["quantization"] = args.draft_quantization
+        if args.spec_policy != "static":
+            spec["policy"] = args.spec_policy
     params = sampling_params_from_args(args)  # before loading the model: a bad constraint fails fast
     llm = LLM(
         args.model,
@@ -199,6 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["int8", "int4"],
         help="quantized_self's draft weights (default: the drafter's own)",
+    )
+    from specdec.policies import policy_names
+
+    g.add_argument(
+        "--spec-policy",
+        choices=policy_names(),
+        default="static",
+        help="speculation policy: draft depth per request and step (default: %(default)s)",
     )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)

@@ -10,6 +10,7 @@ import torch
 from specdec.errors import ConfigError
 
 if TYPE_CHECKING:
+    from specdec.policies.base import SpeculationPolicy
     from specdec.quantization.config import QuantizationConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -173,7 +174,9 @@ DEFAULT_TREE_CHOICES: tuple[tuple[int, ...], ...] = (
 )  # fmt: skip
 #: Fields every drafter may set; the others belong to the drafters that declare them
 #: (``register_drafter(fields=...)``) and keep their defaults elsewhere.
-_COMMON_FIELDS = ("method", "num_speculative_tokens", "model", "draft_dtype", "tree", "drafter_kwargs")
+_COMMON_FIELDS = (
+    "method", "num_speculative_tokens", "model", "draft_dtype", "tree", "drafter_kwargs", "policy", "policy_kwargs",
+)  # fmt: skip
 
 
 @dataclass
@@ -208,6 +211,10 @@ class SpeculativeConfig:
         tree_topk: "dynamic": children drafted per expanded node, and nodes expanded per level.
         max_tree_nodes: "dynamic": draft tokens kept after reranking (the verified tree's size).
         drafter_kwargs: keyword arguments passed to the drafter's constructor (user drafters).
+        policy: the speculation policy, a registered name (:func:`specdec.policies.policy_names`):
+            ``"static"`` (depth k every step, the default) or ``"batch_size"`` (k from a schedule over the
+            step's batch size); see :mod:`specdec.policies`.
+        policy_kwargs: keyword arguments of the policy's constructor (``"batch_size"``: ``schedule``).
 
     Raises:
         ConfigError (a ValueError): unknown method (the message names the registered ones), k outside
@@ -227,6 +234,8 @@ class SpeculativeConfig:
     tree_topk: int = 4
     max_tree_nodes: int = 16
     drafter_kwargs: dict | None = None
+    policy: str = "static"
+    policy_kwargs: dict | None = None
 
     def __post_init__(self) -> None:
         from specdec.drafters.registry import drafter_names, get_drafter
@@ -266,12 +275,26 @@ class SpeculativeConfig:
                     f"{name.name}={value!r} applies to method {' or '.join(map(repr, takers))} only "
                     f"(method is {self.method!r})"
                 )
+        self.build_policy()  # unknown names and bad parameters fail here, before any weights load
         if entry.check_config is not None:
             entry.check_config(self)
         if entry.model == "model" and not self.model:
             raise ConfigError(f"speculative method {self.method!r} needs model=<zoo name or directory>")
         if entry.model == "none" and self.model is not None:
             raise ConfigError(f"speculative method {self.method!r} takes no model (got model={self.model!r})")
+
+    def build_policy(self) -> SpeculationPolicy:
+        """A new instance of the configured speculation policy.
+
+        Raises:
+            ConfigError: unknown policy (the message names the registered ones) or bad ``policy_kwargs``.
+        """
+        from specdec.policies import PolicyContext, build_policy
+
+        if not isinstance(self.policy, str):
+            raise ConfigError(f"policy must be a registered policy name (str), got {self.policy!r}")
+        ctx = PolicyContext(self.num_speculative_tokens, tree=self.tree is not None)
+        return build_policy(self.policy, ctx, self.policy_kwargs)
 
     def quantization_config(self) -> QuantizationConfig | None:
         """The quantized self-drafter's :class:`~specdec.quantization.config.QuantizationConfig` (None for

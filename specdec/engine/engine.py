@@ -25,12 +25,14 @@ from specdec.engine import faults
 from specdec.engine.admission import GrammarAdmission, validate_request
 from specdec.engine.build import EngineParts, build_engine_parts, build_scheduler
 from specdec.engine.commit import commit_all
+from specdec.engine.policy_step import apply_policy
 from specdec.engine.proposals import propose_drafts
 from specdec.engine.verification import emitted_logprobs, process_rows, sample_or_verify
 from specdec.engine.threads import ThreadPolicy
 from specdec.errors import InvalidRequestError
 from specdec.metrics import SpecStats
 from specdec.models.decoder import DecoderLM
+from specdec.policies.base import SpeculationPolicy
 from specdec.quantization.config import QuantizationConfig
 from specdec.request import Request, RequestStatus
 from specdec.scheduler import ScheduledRequest
@@ -132,6 +134,9 @@ class LLMEngine:
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         #: KV slots a drafting request reserves per step (k for chains, the tree size for trees).
         self.num_draft_slots = spec.num_draft_slots if spec else 0
+        #: Chooses each request's draft depth per step (None: plain decoding); assignable, as the drafter.
+        self.policy: SpeculationPolicy | None = spec.build_policy() if spec else None
+        self._policy_disabled: set[str] = set()  # requests whose policy failed: no drafts for them
         self.kv, self.scheduler = build_scheduler(parts, cache_config, scheduler_config, spec)
         self.spec_stats: SpecStats | None = None
         self.reset_spec_stats()
@@ -236,6 +241,7 @@ class LLMEngine:
         """End a request (stop, length, abort or fault): the scheduler frees its blocks, the drafter
         forgets it."""
         self.scheduler.finish(req, status)
+        self._policy_disabled.discard(req.request_id)
         if self.drafter is not None:
             self.drafter.reset(req)
 
@@ -293,6 +299,8 @@ class LLMEngine:
         scheduled, failed = out.scheduled, []
         if self.drafter is not None:
             t0 = time.perf_counter()
+            if self.policy is not None:
+                apply_policy(self.policy, scheduled, self._policy_disabled)
             propose_drafts(
                 self.drafter, scheduled, self.model_cfg.vocab_size, lambda s, m: self.fail(s.request, m)
             )

@@ -1,0 +1,56 @@
+"""Applying the speculation policy to a step: each drafting request's depth cap, before drafting.
+
+A policy is a plug-in: its answers are checked. A batch call that raises is retried request by request;
+a request whose call raises, or whose answer is not an integer >= 0, has speculation switched off for
+the rest of its life (it still decodes to the end; logged once). Answers above the scheduler's cap are
+cut to it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specdec.engine.admission import is_index
+from specdec.policies.base import PolicyInput, SpeculationPolicy
+from specdec.scheduler import ScheduledRequest
+
+logger = logging.getLogger("specdec.engine")
+
+
+def apply_policy(policy: SpeculationPolicy, scheduled: list[ScheduledRequest], disabled: set[str]) -> None:
+    """Lower each scheduled request's ``max_draft_depth`` to the policy's answer. ``disabled``: ids of
+    requests whose policy failed (they draft nothing; ids are added here, removed when they end)."""
+    for s in scheduled:
+        if s.request.request_id in disabled:
+            s.max_draft_depth = 0
+    drafting = [s for s in scheduled if s.max_draft_depth > 0]
+    if not drafting:
+        return
+    inputs = [PolicyInput(s.request, s.max_draft_depth, len(scheduled), len(drafting)) for s in drafting]
+    try:
+        answers = list(policy.decide(inputs))
+        if len(answers) != len(inputs):
+            raise ValueError(f"decide() returned {len(answers)} answers for {len(inputs)} requests")
+    except Exception:
+        answers = [_decide_one(policy, x, disabled) for x in inputs]
+    for s, x, depth in zip(drafting, inputs, answers):
+        if not is_index(depth) or depth < 0:
+            _disable(disabled, x, f"answered {depth!r}, not an integer >= 0")
+            depth = 0
+        s.max_draft_depth = min(s.max_draft_depth, int(depth))
+
+
+def _decide_one(policy: SpeculationPolicy, x: PolicyInput, disabled: set[str]) -> int:
+    try:
+        (depth,) = policy.decide([x])
+        return depth
+    except Exception as e:
+        _disable(disabled, x, f"raised {type(e).__name__}: {e}")
+        return 0
+
+
+def _disable(disabled: set[str], x: PolicyInput, what: str) -> None:
+    rid = x.request.request_id
+    if rid not in disabled:
+        disabled.add(rid)
+        logger.warning("request %s: the speculation policy %s; speculation is off for this request", rid, what)

@@ -1,0 +1,65 @@
+"""The speculation-policy plug-in point: how many tokens each request drafts this step.
+
+A policy is registered by name (:func:`specdec.policies.registry.register_policy`) and built once per
+engine. Each step, after scheduling and before drafting, the engine calls :meth:`SpeculationPolicy.decide`
+with one :class:`PolicyInput` per request that may draft; the answer caps that request's draft depth
+(``DraftInput.max_drafts``) for the step: 0 switches speculation off for it, the scheduler's cap
+(``num_speculative_tokens``, or less near ``max_tokens``) is the most it may ask. The KV slots were
+reserved by the scheduler already; drafts a policy does not ask for leave them unused, as a drafter that
+finds nothing does.
+
+Exactness: a policy decides from what is already committed (the request's tokens and acceptance
+history, the batch's composition), before the step's drafts exist, so the number of drafts is
+independent of whether they will be accepted and the verifier keeps the output distribution the
+target's (Leviathan et al. 2023: any draft length is exact). ``tests/test_policies.py`` proves it
+with greedy equality and a chi-square test (with a negative control) under k varying step to step and
+request to request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from specdec.request import Request
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy is built from (one per engine).
+
+    Attributes:
+        num_speculative_tokens: k, the configured most drafts per step (a tree's depth).
+        tree: whether the drafter proposes token trees (the depth caps a tree's levels).
+    """
+
+    num_speculative_tokens: int
+    tree: bool = False
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    """One request that may draft this step.
+
+    Attributes:
+        request: the request (``request.token_ids`` committed; ``request.spec_stats`` its acceptance
+            history: draft steps, accepted tokens per draft position).
+        max_drafts: the scheduler's cap on the draft depth this step (``1 .. k``).
+        batch_size: requests scheduled this step (drafting or not).
+        num_drafting: requests of this step that may draft (this one included).
+    """
+
+    request: Request
+    max_drafts: int
+    batch_size: int
+    num_drafting: int
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    """Chooses each request's draft depth per step (one class per file in ``specdec/policies/``)."""
+
+    def decide(self, batch: list[PolicyInput]) -> list[int]:
+        """One draft depth per input, in order, each in ``[0, input.max_drafts]`` (larger answers are
+        cut to ``max_drafts``; a negative or non-integer answer is the policy's fault for that request)."""
+        ...

@@ -1,0 +1,222 @@
+"""Speculation policies (``specdec/policies/``): the registry and config errors, the batch-size schedule,
+and exactness with the draft depth varying step to step and request to request: greedy output equal to
+plain decoding under every policy, and a chi-square test of the sampled distribution (with a negative
+control that must fail) under a policy that varies the depth."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from sampling.params import SamplingParams
+from specdec import LLM
+from specdec.config import SpeculativeConfig
+from specdec.errors import ConfigError
+from specdec.policies import PolicyContext, PolicyInput, build_policy, policy_names, register_policy
+from specdec.policies.batch_size import BatchSizePolicy, default_schedule
+from tests.conftest import first_three_logits, save_target_and_draft
+from tests.stats import ALPHA, assert_differs, counts_of, goodness_of_fit
+from tests.test_rejection_sampler import AcceptEverything
+
+V = 8
+PROMPT = [3, 4, 5, 6, 7, 3, 4, 5]
+
+
+@register_policy("test_varying")
+class VaryingPolicy:
+    """A depth in ``0 .. max_drafts`` from a hash of the request id and its length: varies step to step
+    and request to request, from the committed history alone. Records its answers."""
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.answers: list[tuple[int, int]] = []
+
+    def decide(self, batch: list[PolicyInput]) -> list[int]:
+        out = []
+        for x in batch:
+            key = f"{x.request.request_id}/{len(x.request.token_ids)}".encode()
+            out.append(zlib.crc32(key) % (x.max_drafts + 1))
+            self.answers.append((x.max_drafts, out[-1]))
+        return out
+
+
+@register_policy("test_faulty")
+class FaultyPolicy:
+    """Raises for requests whose prompt starts with token 7, answers -1 for those starting with 6."""
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.k = ctx.num_speculative_tokens
+
+    def decide(self, batch: list[PolicyInput]) -> list[int]:
+        out = []
+        for x in batch:
+            if x.request.prompt_token_ids[0] == 7:
+                raise RuntimeError("policy bug")
+            out.append(-1 if x.request.prompt_token_ids[0] == 6 else x.max_drafts)
+        return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("policies")
+    target = save_target_and_draft(root, V, 1, 2)
+    l1, l2, _ = first_three_logits(target, PROMPT, V)
+    exact = (torch.softmax(l1, -1)[:, None] * torch.softmax(l2, -1)).numpy()  # joint of t1, t2 at T = 1
+    return {"target": root / "target", "draft": root / "draft", "exact": exact}
+
+
+def _spec(setup, method: str, policy: str, k: int = 3, **kwargs) -> dict:
+    spec = {"method": method, "num_speculative_tokens": k, "policy": policy, **kwargs}
+    if method == "draft_model":
+        spec["model"] = str(setup["draft"])
+    return spec
+
+
+# ----------------------------------------------------------------------------------- config errors
+def test_registry_and_config_errors_name_the_field():
+    assert {"static", "batch_size"} <= set(policy_names())
+    with pytest.raises(ConfigError, match="unknown speculation policy 'nope'; registered: .*batch_size"):
+        SpeculativeConfig(method="ngram", policy="nope")
+    with pytest.raises(ConfigError, match=r"k in 0\.\.4"):
+        SpeculativeConfig(method="ngram", policy="batch_size", policy_kwargs={"schedule": [[4, 9]]})
+    with pytest.raises(ConfigError, match="batch sizes must increase"):
+        SpeculativeConfig(method="ngram", policy="batch_size", policy_kwargs={"schedule": [[8, 2], [4, 1]]})
+    with pytest.raises(ConfigError, match="bad policy_kwargs"):
+        SpeculativeConfig(method="ngram", policy="batch_size", policy_kwargs={"shedule": [[4, 1]]})
+    with pytest.raises(ConfigError, match="policy_kwargs must be a dict"):
+        SpeculativeConfig(method="ngram", policy="static", policy_kwargs=[1])
+    with pytest.raises(ConfigError, match="policy must be"):
+        SpeculativeConfig(method="ngram", policy=3)
+    with pytest.raises(ConfigError, match="already registered"):
+        register_policy("static")(VaryingPolicy)
+
+
+def test_llm_rejects_a_bad_policy_before_loading(tmp_path):
+    with pytest.raises(ConfigError, match="unknown speculation policy"):
+        LLM(tmp_path / "missing", speculative_config={"method": "ngram", "policy": "nope"})
+
+
+def test_batch_size_schedule():
+    policy = build_policy("batch_size", PolicyContext(4), {"schedule": [[1, 4], [4, 2], [16, 1]]})
+    assert [policy.depth_for(b) for b in (1, 2, 4, 5, 16, 17, 64)] == [4, 2, 2, 1, 1, 0, 0]
+    assert default_schedule(5) == [[4, 5], [8, 3], [16, 1]]
+    assert BatchSizePolicy(PolicyContext(1)).schedule == [(4, 1), (8, 1), (16, 1)]
+
+
+# ----------------------------------------------------------------------------------- greedy equality
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+PROMPTS = [[3, 4, 5, 3, 4, 5, 3], [1, 2, 1, 2, 1], [5, 6, 7, 5, 6], [2, 2, 3, 2, 2, 3, 2], [4, 1, 4, 1, 4, 1]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize(
+    "policy, kwargs",
+    [("static", None), ("batch_size", {"schedule": [[2, 3], [4, 1]]}), ("test_varying", None)],
+)
+def test_greedy_output_equals_plain_decoding_under_every_policy(setup, method, policy, kwargs):
+    common = dict(skip_tokenizer_init=True, block_size=4)
+    base = _greedy(LLM(setup["target"], **common), PROMPTS)
+    llm = LLM(setup["target"], speculative_config=_spec(setup, method, policy, policy_kwargs=kwargs), **common)
+    seen: list[tuple[int, int, int]] = []  # (batch size, scheduler's cap, answer)
+    decide = llm.engine.policy.decide
+    llm.engine.policy.decide = lambda batch: [
+        seen.append((x.batch_size, x.max_drafts, a)) or a for x, a in zip(batch, decide(batch))
+    ]
+    assert _greedy(llm, PROMPTS) == base
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0
+    if policy == "batch_size":  # 5 requests: no drafts; 3-4: 1 draft; 1-2: 3 drafts
+        assert all(a == min(cap, 3 if b <= 2 else 1 if b <= 4 else 0) for b, cap, a in seen)
+        assert {0, 1, 3} <= {a for _, _, a in seen}
+    if policy == "test_varying":
+        answers = llm.engine.policy.answers
+        assert {a for _, a in answers} == {0, 1, 2, 3}  # depths varied over the whole range
+        assert stats.num_accepted_tokens > 0
+
+
+def test_a_faulty_policy_ends_speculation_for_its_requests_only(setup, caplog):
+    common = dict(skip_tokenizer_init=True, block_size=4)
+    prompts = [[7, 1, 2, 7, 1, 2], [6, 3, 6, 3, 6], [3, 4, 5, 3, 4, 5, 3], [4, 1, 4, 1, 4, 1]]
+    base = _greedy(LLM(setup["target"], **common), prompts)
+    llm = LLM(setup["target"], speculative_config=_spec(setup, "ngram", "test_faulty"), **common)
+    with caplog.at_level(logging.WARNING, logger="specdec.engine"):
+        got = _greedy(llm, prompts)
+    assert got == base  # every request finished, with the plain output
+    faults = [r.getMessage() for r in caplog.records if "speculation policy" in r.getMessage()]
+    assert len(faults) == 2  # once per faulty request, not once per step
+    assert any("raised RuntimeError: policy bug" in m for m in faults)
+    assert any("answered -1" in m for m in faults)
+    assert llm.engine.spec_stats.num_drafts > 0  # the other requests kept speculating
+    assert not llm.engine._policy_disabled  # forgotten when the requests ended
+
+
+# ----------------------------------------------------------------------------------- distribution
+BATCH = 48
+CALLS = 200  # 9,600 samples of the first two tokens
+
+
+def _counts(llm: LLM, calls: int) -> np.ndarray:
+    samples = []
+    for call in range(calls):
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=call * BATCH + i if i % 2 else None)
+            for i in range(BATCH)
+        ]
+        for out in llm.generate([{"prompt_token_ids": PROMPT}] * BATCH, params):
+            samples.append(out.outputs[0].token_ids[:2])
+    return counts_of(samples, (V, V))
+
+
+def _dist_llm(setup) -> LLM:
+    return LLM(
+        setup["target"], skip_tokenizer_init=True, seed=7, block_size=4, max_model_len=32,
+        max_num_batched_tokens=512, speculative_config=_spec(setup, "draft_model", "test_varying", k=2),
+    )  # fmt: skip
+
+
+def test_sampling_under_a_varying_depth_matches_the_target(setup):
+    llm = _dist_llm(setup)
+    counts = _counts(llm, CALLS)
+    res = goodness_of_fit(setup["exact"], counts)
+    print(f"[gof] draft_model, varying depth: {res.describe()}")
+    assert res.pvalue >= ALPHA, res.describe()
+    assert {a for _, a in llm.engine.policy.answers} == {0, 1, 2}
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_varying_depth_negative_control_fails(setup):
+    llm = _dist_llm(setup)
+    llm.engine.verifier = AcceptEverything()
+    counts = _counts(llm, 40)
+    res = assert_differs(setup["exact"], counts, label="varying depth, accept every draft")
+    assert res.pvalue < ALPHA * 1e-3
+
+
+# ----------------------------------------------------------------------------------- Hydra and the CLI
+def test_hydra_and_cli_take_the_policy():
+    from hydra import compose, initialize_config_module
+
+    from experiments.config import register_configs, to_experiment_config
+    from specdec.cli import build_parser
+
+    register_configs()
+    with initialize_config_module("experiments.conf", version_base=None):
+        cfg = to_experiment_config(
+            compose("config", overrides=["drafter=ngram", "drafter.policy=batch_size",
+                                         "+drafter.policy_kwargs.schedule=[[2,4],[8,1]]"])  # fmt: skip
+        )
+        plain = to_experiment_config(compose("config", overrides=["drafter=ngram"]))
+    spec = cfg.drafter.speculative_config()
+    assert spec["policy"] == "batch_size" and spec["policy_kwargs"] == {"schedule": [[2, 4], [8, 1]]}
+    assert SpeculativeConfig(**spec).build_policy().schedule == [(2, 4), (8, 1)]
+    assert "policy" not in plain.drafter.speculative_config()  # the default leaves the dict as before
+    args = build_parser().parse_args(["generate", "--drafter", "ngram", "--spec-policy", "batch_size"])
+    assert args.spec_policy == "batch_size"
