@@ -26,7 +26,6 @@ Accuracy: float32 accumulation in a different order than ``F.linear``: float32 o
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -175,7 +175,8 @@ DEFAULT_TREE_CHOICES: tuple[tuple[int, ...], ...] = (
 #: Fields every drafter may set; the others belong to the drafters that declare them
 #: (``register_drafter(fields=...)``) and keep their defaults elsewhere.
 _COMMON_FIELDS = (
-    "method", "num_speculative_tokens", "model", "draft_dtype", "tree", "drafter_kwargs", "policy", "policy_kwargs",
+    "method", "num_speculative_tokens", "model", "draft_dtype", "tree", "drafter_kwargs",
+    "policy", "policy_kwargs",
 )  # fmt: skip
 
 

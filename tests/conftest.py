@@ -79,6 +79,26 @@ def first_three_logits(
     return logits[0, n - 1], logits[::v, n], logits[:, n + 1].reshape(v, v, v)
 
 
+def first_two_token_counts(llm, prompt: list[int], vocab_size: int, batch: int, calls: int):
+    """``[V, V]`` counts of the first two sampled tokens over ``calls`` generate calls of ``batch``
+    copies of ``prompt`` at temperature 1 (odd rows seeded ``call * batch + i``, even rows from the
+    engine's generator): the sample the distribution tests compare with the exact joint."""
+    from sampling.params import SamplingParams
+    from tests.stats import counts_of
+
+    samples = []
+    for call in range(calls):
+        params = [
+            SamplingParams(
+                temperature=1.0, max_tokens=3, ignore_eos=True, seed=call * batch + i if i % 2 else None
+            )
+            for i in range(batch)
+        ]
+        for out in llm.generate([{"prompt_token_ids": prompt}] * batch, params):
+            samples.append(out.outputs[0].token_ids[:2])
+    return counts_of(samples, (vocab_size, vocab_size))
+
+
 @pytest.fixture(scope="module")
 def fast_cpu_settings():
     """For tests of many tiny tensors: one intra-op thread (threads only add overhead, ~100x on a loaded

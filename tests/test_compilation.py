@@ -27,8 +27,8 @@ from specdec import LLM
 from specdec.compilation.buckets import DEFAULT_BUCKETS, check_buckets, pick_bucket
 from specdec.config import CompilationConfig
 from specdec.errors import ConfigError
-from tests.conftest import first_three_logits, save_target_and_draft
-from tests.stats import ALPHA, assert_differs, counts_of, goodness_of_fit
+from tests.conftest import first_three_logits, first_two_token_counts, save_target_and_draft
+from tests.stats import ALPHA, assert_differs, goodness_of_fit
 from tests.test_rejection_sampler import AcceptEverything
 from tests.test_tree_engine import VOCAB, OracleTreeDrafter
 
@@ -287,17 +287,7 @@ def _dist_llm(setup, method: str) -> LLM:
 
 
 def _counts(llm: LLM, calls: int) -> np.ndarray:
-    samples = []
-    for call in range(calls):
-        params = [
-            SamplingParams(
-                temperature=1.0, max_tokens=3, ignore_eos=True, seed=call * BATCH + i if i % 2 else None
-            )
-            for i in range(BATCH)
-        ]
-        for out in llm.generate([{"prompt_token_ids": PROMPT}] * BATCH, params):
-            samples.append(out.outputs[0].token_ids[:2])
-    return counts_of(samples, (V, V))
+    return first_two_token_counts(llm, PROMPT, V, BATCH, calls)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -18,8 +18,8 @@ from specdec.config import SpeculativeConfig
 from specdec.errors import ConfigError
 from specdec.policies import PolicyContext, PolicyInput, build_policy, policy_names, register_policy
 from specdec.policies.batch_size import BatchSizePolicy, default_schedule
-from tests.conftest import first_three_logits, save_target_and_draft
-from tests.stats import ALPHA, assert_differs, counts_of, goodness_of_fit
+from tests.conftest import first_three_logits, first_two_token_counts, save_target_and_draft
+from tests.stats import ALPHA, assert_differs, goodness_of_fit
 from tests.test_rejection_sampler import AcceptEverything
 
 V = 8
@@ -77,8 +77,8 @@ def _spec(setup, method: str, policy: str, k: int = 3, **kwargs) -> dict:
 
 # ----------------------------------------------------------------------------------- config errors
 def test_registry_and_config_errors_name_the_field():
-    assert {"static", "batch_size"} <= set(policy_names())
-    with pytest.raises(ConfigError, match="unknown speculation policy 'nope'; registered: .*batch_size"):
+    assert {"static", "batch_size", "goodput"} <= set(policy_names())
+    with pytest.raises(ConfigError, match=r"unknown speculation policy 'nope'; registered: .*batch_size"):
         SpeculativeConfig(method="ngram", policy="nope")
     with pytest.raises(ConfigError, match=r"k in 0\.\.4"):
         SpeculativeConfig(method="ngram", policy="batch_size", policy_kwargs={"schedule": [[4, 9]]})
@@ -106,10 +106,108 @@ def test_batch_size_schedule():
     assert BatchSizePolicy(PolicyContext(1)).schedule == [(4, 1), (8, 1), (16, 1)]
 
 
+# ----------------------------------------------------------------------------------- goodput
+def _inputs(spec_stats_list, batch_size=None, cap=4):
+    from types import SimpleNamespace
+
+    n = len(spec_stats_list)
+    reqs = [
+        SimpleNamespace(spec_stats=st, request_id=str(i), token_ids=[1])
+        for i, st in enumerate(spec_stats_list)
+    ]
+    return [PolicyInput(r, cap, batch_size or n, n) for r in reqs]
+
+
+def _stats(accepted, drafted):
+    from specdec.metrics import SpecStats
+
+    st = SpecStats(len(accepted))
+    st.accepted_per_position, st.drafted_per_position = list(accepted), list(drafted)
+    return st
+
+
+def test_expected_tokens_is_leviathans_formula():
+    from specdec.policies.goodput import expected_tokens
+
+    alpha = 0.7
+    q = [alpha ** (i + 1) for i in range(4)]
+    # Leviathan et al. 2023, eq. (1): (1 - alpha^(k+1)) / (1 - alpha) for i.i.d. acceptance
+    for k in range(5):
+        assert expected_tokens(q, k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+
+
+def test_goodput_weighs_acceptance_against_the_step_cost():
+    cheap = {"step_s": [[1, 0.010], [64, 0.012]], "frozen": True}
+    steep = {"step_s": [[1, 0.010], [2, 0.020], [64, 0.64]], "frozen": True}  # each token costs a whole step
+    good = _stats([90, 80, 70, 60], [100, 100, 100, 100])
+    bad = _stats([2, 0, 0, 0], [100, 90, 80, 70])
+    policy = build_policy("goodput", PolicyContext(4), cheap)
+    assert policy.decide(_inputs([good])) == [4]  # verification nearly free, acceptance high: all of k
+    assert policy.decide(_inputs([good, bad])) == [4, 0]  # the hopeless request alone drafts nothing
+    assert build_policy("goodput", PolicyContext(4), steep).decide(_inputs([good, good])) == [0, 0]
+    # A fresh request starts from the population's figures, learned from the steps observed.
+    from specdec.policies import StepObservation
+
+    learner = build_policy("goodput", PolicyContext(4), {**cheap, "prior_acceptance": 0.0})
+    assert learner.decide(_inputs([None])) == [0]  # prior: nothing is ever accepted
+    for _ in range(50):
+        learner.observe_step(StepObservation(5, 0.01, 0.0, 4, ((4, 4),)))
+    assert learner.decide(_inputs([None])) == [4]
+    assert learner.costs.step_s == {1: 0.010, 64: 0.012}  # frozen: observed times ignored
+
+
+def test_goodput_learns_step_costs_when_not_frozen():
+    from specdec.policies import StepObservation
+
+    policy = build_policy("goodput", PolicyContext(4), {"prior_acceptance": 0.6})
+    for _ in range(30):
+        policy.observe_step(StepObservation(1, 0.010, 0.0, 0, ()))
+        policy.observe_step(StepObservation(5, 0.060, 0.0, 4, ((4, 1),)))
+    assert policy.costs.target_s(5) == pytest.approx(0.060, rel=0.05)
+    assert policy.decide(_inputs([None])) == [0]  # 5 tokens cost 6 steps here: drafting cannot pay
+
+
+def test_goodput_config_errors():
+    for kwargs, match in [
+        ({"prior_acceptance": 1.5}, "prior_acceptance"),
+        ({"prior_weight": -1}, "prior_weight"),
+        ({"frozen": True}, "frozen=True needs step_s"),
+        ({"step_s": [[0, 0.01]]}, "step_s entries"),
+        ({"step_s": "fast"}, "step_s"),
+        ({"draft_s_per_position": -1.0}, "draft_s_per_position"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            SpeculativeConfig(method="ngram", policy="goodput", policy_kwargs=kwargs)
+
+
+def test_frozen_goodput_repeats_seeded_runs_exactly(setup):
+    spec = _spec(
+        setup,
+        "draft_model",
+        "goodput",
+        k=3,
+        policy_kwargs={"step_s": [[1, 0.01], [32, 0.02]], "frozen": True},
+    )
+    runs = []
+    for _ in range(2):
+        llm = LLM(setup["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=12, seed=100 + i, ignore_eos=True) for i in range(4)
+        ]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params)
+        runs.append(([list(o.outputs[0].token_ids) for o in outs], list(llm.engine.policy.history)))
+    assert runs[0] == runs[1]
+    assert {k for _, k in runs[0][1]} != {0}  # it did speculate
+
+
 # ----------------------------------------------------------------------------------- greedy equality
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
-    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(prompts))
+    ]
+    return [
+        list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
 
 
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3], [1, 2, 1, 2, 1], [5, 6, 7, 5, 6], [2, 2, 3, 2, 2, 3, 2], [4, 1, 4, 1, 4, 1]]
@@ -118,12 +216,20 @@ PROMPTS = [[3, 4, 5, 3, 4, 5, 3], [1, 2, 1, 2, 1], [5, 6, 7, 5, 6], [2, 2, 3, 2,
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize(
     "policy, kwargs",
-    [("static", None), ("batch_size", {"schedule": [[2, 3], [4, 1]]}), ("test_varying", None)],
+    [
+        ("static", None),
+        ("batch_size", {"schedule": [[2, 3], [4, 1]]}),
+        ("test_varying", None),
+        ("goodput", None),
+        ("goodput", {"step_s": [[1, 0.01], [8, 0.012], [32, 0.05]], "frozen": True}),
+    ],
 )
 def test_greedy_output_equals_plain_decoding_under_every_policy(setup, method, policy, kwargs):
     common = dict(skip_tokenizer_init=True, block_size=4)
     base = _greedy(LLM(setup["target"], **common), PROMPTS)
-    llm = LLM(setup["target"], speculative_config=_spec(setup, method, policy, policy_kwargs=kwargs), **common)
+    llm = LLM(
+        setup["target"], speculative_config=_spec(setup, method, policy, policy_kwargs=kwargs), **common
+    )
     seen: list[tuple[int, int, int]] = []  # (batch size, scheduler's cap, answer)
     decide = llm.engine.policy.decide
     llm.engine.policy.decide = lambda batch: [
@@ -163,15 +269,7 @@ CALLS = 200  # 9,600 samples of the first two tokens
 
 
 def _counts(llm: LLM, calls: int) -> np.ndarray:
-    samples = []
-    for call in range(calls):
-        params = [
-            SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=call * BATCH + i if i % 2 else None)
-            for i in range(BATCH)
-        ]
-        for out in llm.generate([{"prompt_token_ids": PROMPT}] * BATCH, params):
-            samples.append(out.outputs[0].token_ids[:2])
-    return counts_of(samples, (V, V))
+    return first_two_token_counts(llm, PROMPT, V, BATCH, calls)
 
 
 def _dist_llm(setup) -> LLM:
@@ -210,8 +308,14 @@ def test_hydra_and_cli_take_the_policy():
     register_configs()
     with initialize_config_module("experiments.conf", version_base=None):
         cfg = to_experiment_config(
-            compose("config", overrides=["drafter=ngram", "drafter.policy=batch_size",
-                                         "+drafter.policy_kwargs.schedule=[[2,4],[8,1]]"])  # fmt: skip
+            compose(
+                "config",
+                overrides=[
+                    "drafter=ngram",
+                    "drafter.policy=batch_size",
+                    "+drafter.policy_kwargs.schedule=[[2,4],[8,1]]",
+                ],
+            )
         )
         plain = to_experiment_config(compose("config", overrides=["drafter=ngram"]))
     spec = cfg.drafter.speculative_config()

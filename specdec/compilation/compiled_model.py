@@ -1,7 +1,8 @@
 """A decoder's forward compiled piecewise with ``torch.compile``, one graph per token bucket.
 
 The compiled graph runs the embedding, every layer's dense work and the final norm of all rows of a
-padded batch; the LM head then runs eagerly on the rows whose logits are wanted only; attention runs eagerly inside the ``specdec::paged_attention`` custom op
+padded batch; the LM head then runs eagerly on the rows whose logits are wanted only; attention runs
+eagerly inside the ``specdec::paged_attention`` custom op
 (:mod:`specdec.compilation.attention_op`). Inputs are padded to the smallest bucket
 (:mod:`specdec.compilation.buckets`) with token 0 at position 0; padded rows write no K/V, attend to
 nothing and are dropped before their logits or hidden states leave this module, so they never reach

@@ -25,10 +25,10 @@ from specdec.engine import faults
 from specdec.engine.admission import GrammarAdmission, validate_request
 from specdec.engine.build import EngineParts, build_engine_parts, build_scheduler
 from specdec.engine.commit import commit_all
-from specdec.engine.policy_step import apply_policy
+from specdec.engine.policy_step import apply_policy, observe_policy
 from specdec.engine.proposals import propose_drafts
-from specdec.engine.verification import emitted_logprobs, process_rows, sample_or_verify
 from specdec.engine.threads import ThreadPolicy
+from specdec.engine.verification import emitted_logprobs, process_rows, sample_or_verify
 from specdec.errors import InvalidRequestError
 from specdec.metrics import SpecStats
 from specdec.models.decoder import DecoderLM
@@ -296,7 +296,7 @@ class LLMEngine:
             self.admit_compiled(wait=True)  # only compiling requests are left: wait for one
             return []
         self.num_steps += 1
-        scheduled, failed = out.scheduled, []
+        scheduled, failed, draft_s = out.scheduled, [], 0.0
         if self.drafter is not None:
             t0 = time.perf_counter()
             if self.policy is not None:
@@ -306,8 +306,9 @@ class LLMEngine:
             )
             failed = [s.request for s in scheduled if s.request.status.finished]  # ended while drafting
             scheduled = [s for s in scheduled if not s.request.status.finished]
+            draft_s = time.perf_counter() - t0
             if self.spec_stats is not None:
-                self.spec_stats.draft_time_s += time.perf_counter() - t0
+                self.spec_stats.draft_time_s += draft_s
             if not scheduled:
                 return failed
         t0 = time.perf_counter()
@@ -318,8 +319,11 @@ class LLMEngine:
         results = sample_or_verify(batch, self.verifier, self.generator)
         logprobs = emitted_logprobs(batch, results)
         updated = commit_all(self, scheduled, batch.sampling, results, hidden, logprobs)
+        target_s = time.perf_counter() - t0
         if self.spec_stats is not None:
-            self.spec_stats.verify_time_s += time.perf_counter() - t0
+            self.spec_stats.verify_time_s += target_s
+        if self.policy is not None:
+            observe_policy(self.policy, scheduled, batch.sampling, results, draft_s, target_s)
         return failed + updated
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:

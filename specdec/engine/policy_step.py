@@ -8,11 +8,16 @@ cut to it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 from specdec.engine.admission import is_index
-from specdec.policies.base import PolicyInput, SpeculationPolicy
+from specdec.policies.base import PolicyInput, SpeculationPolicy, StepObservation
 from specdec.scheduler import ScheduledRequest
+
+if TYPE_CHECKING:
+    from sampling.rejection_sampler import VerifyResult
 
 logger = logging.getLogger("specdec.engine")
 
@@ -53,4 +58,41 @@ def _disable(disabled: set[str], x: PolicyInput, what: str) -> None:
     rid = x.request.request_id
     if rid not in disabled:
         disabled.add(rid)
-        logger.warning("request %s: the speculation policy %s; speculation is off for this request", rid, what)
+        logger.warning(
+            "request %s: the speculation policy %s; speculation is off for this request", rid, what
+        )
+
+
+def observe_policy(
+    policy: SpeculationPolicy,
+    scheduled: list[ScheduledRequest],
+    sampling: list[ScheduledRequest],
+    results: list[VerifyResult],
+    draft_s: float,
+    target_s: float,
+) -> None:
+    """Hand a learning policy (one with ``observe_step``) the step's cost and acceptance; a policy that
+    raises here keeps running (logged once, its learning is skipped from then on)."""
+    observe = getattr(policy, "observe_step", None)
+    if observe is None or getattr(policy, "_specdec_observe_failed", False):
+        return
+    per_request = []
+    for s, r in zip(sampling, results):
+        depth = len(s.draft_token_ids) if s.draft_tree is None else s.draft_tree.max_depth
+        if depth:
+            per_request.append((depth, r.num_accepted))
+    step = StepObservation(
+        num_tokens=sum(s.num_new_tokens + len(s.draft_token_ids) for s in scheduled),
+        target_s=target_s,
+        draft_s=draft_s,
+        max_depth=max((d for d, _ in per_request), default=0),
+        per_request=tuple(per_request),
+    )
+    try:
+        observe(step)
+    except Exception as e:
+        logger.warning(
+            "the speculation policy's observe_step raised %s: %s; it learns no more", type(e).__name__, e
+        )
+        with contextlib.suppress(AttributeError):
+            policy._specdec_observe_failed = True  # type: ignore[attr-defined]

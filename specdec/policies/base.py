@@ -55,6 +55,26 @@ class PolicyInput:
     num_drafting: int
 
 
+@dataclass(frozen=True)
+class StepObservation:
+    """What one speculative step cost and yielded, for policies that learn (``observe_step``).
+
+    Attributes:
+        num_tokens: batched tokens of the target forward (new tokens plus drafts).
+        target_s: seconds of the forward, sampling / verification and commit.
+        draft_s: seconds of drafting (the policy's own decision included).
+        max_depth: the deepest draft of the step (0: none).
+        per_request: ``(drafted, accepted)`` per request that verified drafts (a tree: its depth and the
+            accepted path's length).
+    """
+
+    num_tokens: int
+    target_s: float
+    draft_s: float
+    max_depth: int
+    per_request: tuple[tuple[int, int], ...] = ()
+
+
 @runtime_checkable
 class SpeculationPolicy(Protocol):
     """Chooses each request's draft depth per step (one class per file in ``specdec/policies/``)."""
@@ -63,3 +83,11 @@ class SpeculationPolicy(Protocol):
         """One draft depth per input, in order, each in ``[0, input.max_drafts]`` (larger answers are
         cut to ``max_drafts``; a negative or non-integer answer is the policy's fault for that request)."""
         ...
+
+
+class PolicyBase:
+    """Optional hooks of a policy, as no-ops: subclass it for :meth:`observe_step`."""
+
+    def observe_step(self, step: StepObservation) -> None:
+        """Called after every step that verified drafts or could have (learning policies update here)."""
+        return None

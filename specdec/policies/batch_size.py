@@ -43,7 +43,7 @@ class BatchSizePolicy:
         for pair in pairs if isinstance(pairs, (list, tuple)) else [pairs]:
             ok = isinstance(pair, (list, tuple)) and len(pair) == 2
             ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
-            if not ok or not 1 <= pair[0] or not 0 <= pair[1] <= self.k:
+            if not ok or not pair[0] >= 1 or not 0 <= pair[1] <= self.k:
                 raise ConfigError(
                     f"batch_size policy: schedule entries must be [max_batch_size >= 1, k in 0..{self.k}], "
                     f"got {pair!r}"

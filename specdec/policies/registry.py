@@ -28,7 +28,7 @@ from typing import Any
 from specdec.errors import ConfigError
 from specdec.policies.base import PolicyContext, SpeculationPolicy
 
-_BUILTIN_MODULES = ("specdec.policies.static", "specdec.policies.batch_size")
+_BUILTIN_MODULES = ("specdec.policies.static", "specdec.policies.batch_size", "specdec.policies.goodput")
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 _loaded = False
 

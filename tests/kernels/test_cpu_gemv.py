@@ -64,7 +64,8 @@ def test_dispatch_rules():
 def test_op_under_torch_compile():
     w = torch.randn(24, 48)
     cpu_gemv.cpu_gemv(torch.randn(1, 48), w, None)  # builds / loads the kernel (outside the trace)
-    f = torch.compile(lambda x: torch.relu(torch.ops.specdec_cpu.gemv(x, w, None)), backend="eager", fullgraph=True)
+    op = torch.ops.specdec_cpu.gemv
+    f = torch.compile(lambda x: torch.relu(op(x, w, None)), backend="eager", fullgraph=True)
     x = torch.randn(4, 48)
     torch.testing.assert_close(f(x), torch.relu(F.linear(x, w)), rtol=1e-5, atol=1e-5)
 
