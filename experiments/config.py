@@ -654,16 +654,128 @@ class BenchConfig:
         drafter that reads it, the draft model for one that takes a model (its registry entry says)."""
         if method == "plain":
             return None
-        from specdec.drafters.registry import get_drafter
+        return method_speculative_config(
+            method,
+            self.num_speculative_tokens,
+            prompt_lookup_max=self.prompt_lookup_max,
+            prompt_lookup_min=self.prompt_lookup_min,
+            draft_model=self.resolved_draft_model(),
+        )
 
-        entry = get_drafter(method)
-        spec: dict[str, Any] = {"method": method, "num_speculative_tokens": self.num_speculative_tokens}
-        for key in ("prompt_lookup_max", "prompt_lookup_min"):
-            if key in entry.fields:
-                spec[key] = getattr(self, key)
-        if entry.model == "model":
-            spec["model"] = self.resolved_draft_model()
-        return spec
+
+def method_speculative_config(
+    method: str,
+    num_speculative_tokens: int,
+    *,
+    prompt_lookup_max: int = 4,
+    prompt_lookup_min: int = 1,
+    draft_model: str | None = None,
+    quantization: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``specdec.LLM``'s ``speculative_config`` of a registered drafter, from settings shared by every
+    method (``experiments.bench``, ``experiments.concurrency``): k; the n-gram window, ``quantization``
+    and the draft model each only for a drafter that reads it (its registry entry says); then
+    ``options``, any other ``SpeculativeConfig`` fields (``tree``, ``model``...), set last."""
+    from specdec.drafters.registry import get_drafter
+
+    entry = get_drafter(method)
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": num_speculative_tokens}
+    if "prompt_lookup_max" in entry.fields:
+        spec["prompt_lookup_max"] = prompt_lookup_max
+    if "prompt_lookup_min" in entry.fields:
+        spec["prompt_lookup_min"] = prompt_lookup_min
+    if "quantization" in entry.fields and quantization is not None:
+        spec["quantization"] = quantization
+    if entry.model == "model":
+        spec["model"] = draft_model
+    spec.update(options or {})
+    return spec
+
+
+# ------------------------------------------------------------------------------------- concurrency
+#: What ``experiments.concurrency`` holds a policy to (issue 19): at every concurrency, at least plain
+#: decoding's throughput and this share of the best static k's (the oracle).
+TARGET_SPEEDUP = 1.0
+TARGET_VS_ORACLE = 0.95
+
+
+@dataclass
+class ConcurrencyConfig:
+    """``python -m experiments.concurrency``: speculation policies against plain decoding and every static
+    k, at each concurrency, per drafter, one process (``conf/concurrency.yaml``).
+
+    Attributes:
+        drafters: registered drafters (:func:`specdec.drafters.drafter_names`), one ``LLM`` each.
+        policies: registered speculation policies (:func:`specdec.policies.policy_names`) run on every
+            drafter; each built with k = ``num_speculative_tokens``.
+        policy_kwargs: per policy name, its keyword arguments (``'+policy_kwargs.goodput.frozen=true'``).
+        num_speculative_tokens: k of the policies (the most drafts a policy may choose).
+        static_k: the static depths run on every drafter (``0 .. 16``; 0 drafts nothing through the
+            speculative engine); with plain decoding they make the oracle, the best static k in hindsight.
+        concurrency: requests submitted together (the batch stays at this size with ``ignore_eos``).
+        max_tokens: new tokens per request.
+        min_requests: each cell runs ``ceil(min_requests / c)`` rounds of ``c`` requests, prompts taken in
+            order, cycling through the dataset.
+        ignore_eos: generate exactly ``max_tokens`` per request, so a round keeps ``c`` requests running.
+        prompt_lookup_max, prompt_lookup_min: the n-gram window (``ngram``).
+        draft_model: draft model of ``draft_model`` (None: the zoo's pair of the target).
+        quantization: ``quantized_self``'s scheme, ``int4`` or ``int8``.
+        drafter_options: per drafter, more ``speculative_config`` fields (``tree``, ``model``...):
+            ``'+drafter_options.eagle.tree=dynamic'``.
+        import_modules: modules imported before the checks, whose import registers drafters or policies
+            of your own.
+        plots: write ``plots/speedup_vs_concurrency.{png,svg}``.
+        seed: engine seed and ``torch.manual_seed``.
+    """
+
+    model: ModelConfig = MISSING
+    dataset: DatasetConfig = MISSING
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    logger: LoggerConfig = MISSING
+    drafters: list[str] = field(default_factory=lambda: ["ngram"])
+    policies: list[str] = field(default_factory=lambda: ["goodput", "batch_size", "ucb"])
+    policy_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    num_speculative_tokens: int = 4
+    static_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    max_tokens: int = 128
+    min_requests: int = 32
+    ignore_eos: bool = True
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    draft_model: str | None = None
+    quantization: str = "int4"
+    drafter_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    import_modules: list[str] = field(default_factory=list)
+    plots: bool = True
+    seed: int = 0
+
+    @property
+    def engine_k(self) -> int:
+        """k of each drafter's engine: the largest of ``num_speculative_tokens`` and ``static_k``."""
+        return max([self.num_speculative_tokens, *self.static_k])
+
+    def resolved_draft_model(self) -> str | None:
+        """``draft_model``, else the zoo's draft model of the target (None when it has none)."""
+        return self.draft_model or DEFAULT_DRAFT_MODELS.get(self.model.name)
+
+    def speculative_config(self, drafter: str) -> dict[str, Any]:
+        """``specdec.LLM``'s ``speculative_config`` of one drafter's engine (k = :attr:`engine_k`; the
+        policy is assigned per cell)."""
+        return method_speculative_config(
+            drafter,
+            self.engine_k,
+            prompt_lookup_max=self.prompt_lookup_max,
+            prompt_lookup_min=self.prompt_lookup_min,
+            draft_model=self.resolved_draft_model(),
+            quantization=self.quantization,
+            options=dict(self.drafter_options.get(drafter) or {}),
+        )
+
+    def rounds(self, concurrency: int) -> int:
+        """Rounds of ``concurrency`` requests a cell runs: ``ceil(min_requests / concurrency)``."""
+        return -(-self.min_requests // concurrency)
 
 
 # ------------------------------------------------------------------------------------------- train
@@ -787,6 +899,7 @@ class TrainConfig:
 SCHEMAS: dict[tuple[str | None, str], type] = {
     (None, "experiment_schema"): ExperimentConfig,
     (None, "bench_schema"): BenchConfig,
+    (None, "concurrency_schema"): ConcurrencyConfig,
     (None, "train_schema"): TrainConfig,
     ("model", "model_schema"): ModelConfig,
     ("drafter", "none_schema"): NoDrafterConfig,
@@ -1163,6 +1276,118 @@ def to_bench_config(cfg: DictConfig) -> BenchConfig:
     """
     obj: BenchConfig = _to_object(cfg, BenchConfig, "bench_schema")
     validate_bench_config(obj)
+    return obj
+
+
+def _check_unique_list(key: str, values: list[Any]) -> None:
+    dupes = sorted({v for v in values if values.count(v) > 1}, key=str)
+    if dupes:
+        raise ValueError(f"{key} lists {dupes} more than once: {values}")
+
+
+def validate_concurrency_config(cfg: ConcurrencyConfig) -> None:
+    """The checks of ``experiments.concurrency``'s config that a schema cannot express; run before any
+    model loads.
+
+    Raises:
+        ValueError: an unknown drafter or policy (the message names the registered ones), policy
+            parameters the policy rejects, ``policy_kwargs`` or ``drafter_options`` for a name not run,
+            a concurrency below 1 or above ``engine.max_num_seqs``, a static k outside ``0 .. 16``, a
+            non-positive count, a module of ``import_modules`` that cannot be imported, a missing or
+            mismatched draft model, or a drafter or engine value the library rejects.
+    """
+    for module in cfg.import_modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"import_modules: {module!r} cannot be imported: {e}") from None
+    from specdec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+    from specdec.drafters.registry import drafter_names, get_drafter
+    from specdec.errors import ConfigError
+    from specdec.policies import PolicyContext, build_policy, policy_names
+
+    names = list(drafter_names())
+    unknown = [d for d in cfg.drafters if d not in names]
+    if unknown or not cfg.drafters:
+        raise ValueError(
+            f"drafters must be a non-empty list of registered drafters {names}, got {cfg.drafters}"
+            + (f" (unknown: {unknown})" if unknown else "")
+        )
+    registered = policy_names()
+    unknown = [p for p in cfg.policies if p not in registered]
+    if unknown:
+        raise ValueError(
+            f"policies: unknown speculation polic{'ies' if len(unknown) > 1 else 'y'} {unknown}; "
+            f"registered: {', '.join(registered)} (a policy of your own: import_modules=[<its module>])"
+        )
+    if not cfg.policies and not cfg.static_k:
+        raise ValueError("policies and static_k are both empty: nothing to compare with plain decoding")
+    for key, values in (
+        ("drafters", cfg.drafters),
+        ("policies", cfg.policies),
+        ("static_k", cfg.static_k),
+        ("concurrency", cfg.concurrency),
+    ):
+        _check_unique_list(key, list(values))
+    if not cfg.concurrency or any(c < 1 for c in cfg.concurrency):
+        raise ValueError(f"concurrency must list integers >= 1, got {cfg.concurrency}")
+    if max(cfg.concurrency) > cfg.engine.max_num_seqs:
+        raise ValueError(
+            f"concurrency {max(cfg.concurrency)} exceeds engine.max_num_seqs={cfg.engine.max_num_seqs}: "
+            "the batch would not hold that many requests (raise engine.max_num_seqs)"
+        )
+    if any(not 0 <= k <= MAX_SPECULATIVE_TOKENS for k in cfg.static_k):
+        raise ValueError(f"static_k must list integers in [0, {MAX_SPECULATIVE_TOKENS}], got {cfg.static_k}")
+    k = cfg.num_speculative_tokens
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"
+        )
+    for key in ("max_tokens", "min_requests"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    for key, given, listed, allowed in (
+        ("policy_kwargs", cfg.policy_kwargs, "policies", cfg.policies),
+        ("drafter_options", cfg.drafter_options, "drafters", cfg.drafters),
+    ):
+        stray = [name for name in given if name not in allowed]
+        if stray:
+            raise ValueError(f"{key} has {stray}, which {listed} does not list ({allowed})")
+    _check_dataset(cfg.dataset)
+    _check_engine(cfg.engine)
+    _check_logger(cfg.logger)
+    keys = tuple(ConcurrencyConfig.__dataclass_fields__)
+    for drafter in cfg.drafters:
+        if get_drafter(drafter).model == "model" and cfg.resolved_draft_model() is None:
+            raise ValueError(
+                f"drafters has {drafter} but model={cfg.model.name} has no default draft model: set "
+                f"draft_model=<zoo name or directory> (zoo pairs: {DEFAULT_DRAFT_MODELS})"
+            )
+        try:
+            config = SpeculativeConfig.from_any(cfg.speculative_config(drafter))
+        except ValueError as e:
+            head = re.split(r"[ =:]", str(e), maxsplit=1)[0]
+            raise ValueError(str(e) if head in keys else f"drafters ({drafter}): {e}") from None
+        assert config is not None
+        what = f"draft_model={config.model}" if config.model else f"drafters={drafter}"
+        _check_against_target(cfg.model.name, config, what)
+        for policy in cfg.policies:
+            ctx = PolicyContext(cfg.num_speculative_tokens, tree=config.tree is not None)
+            try:
+                build_policy(policy, ctx, dict(cfg.policy_kwargs.get(policy) or {}))
+            except ConfigError as e:
+                raise ValueError(f"policy_kwargs.{policy}: {e}") from None
+
+
+def to_concurrency_config(cfg: DictConfig) -> ConcurrencyConfig:
+    """Convert a composed ``conf/concurrency.yaml`` into a validated :class:`ConcurrencyConfig`.
+
+    Raises:
+        TypeError: the config was not composed from ``concurrency_schema``.
+        ValueError: see :func:`validate_concurrency_config`.
+    """
+    obj: ConcurrencyConfig = _to_object(cfg, ConcurrencyConfig, "concurrency_schema")
+    validate_concurrency_config(obj)
     return obj
 
 

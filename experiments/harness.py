@@ -366,10 +366,14 @@ def time_batch1(
     return Timed(outputs, elapsed, metrics)
 
 
-def time_together(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> Timed:
+def time_together(
+    llm: Any, prompts: Sequence[Sequence[int]], params: Any, reset_spec_stats: bool = True
+) -> Timed:
     """specdec on every prompt submitted at once (one ``generate`` call, continuous batching), timed as
-    one call, the prefix cache and speculative counters reset first."""
-    llm.engine.reset_spec_stats()
+    one call, the prefix cache and (with ``reset_spec_stats``) the speculative counters reset first;
+    ``reset_spec_stats=False`` lets ``llm.engine.spec_stats`` sum several calls."""
+    if reset_spec_stats:
+        llm.engine.reset_spec_stats()
     llm.engine.kv.pool.reset_prefix_cache()
     sync()
     t = time.perf_counter()

@@ -541,6 +541,78 @@ def plot_drafters(runs: Sequence[Run], out_dir: Path, formats: Sequence[str] = F
     return {"drafters": drafters, "files": [str(f) for f in files]}
 
 
+def plot_speedup_vs_concurrency(
+    result: dict[str, Any], out_dir: str | Path, formats: Sequence[str] = FORMATS
+) -> dict[str, Any]:
+    """``experiments.concurrency``'s figure: speedup over plain decoding against concurrency (log2 axis),
+    one panel per drafter, one line per policy, the oracle (the best static k in hindsight, plain
+    included) dashed with its k beside each point, and 1.0 dotted.
+
+    Args:
+        result: ``experiments.concurrency``'s result (``summary.json``): its ``rows``, ``oracle`` and
+            ``config``.
+
+    Returns:
+        ``{"drafters": {drafter: {"concurrency": [...], "policies": {policy: [speedup...]}, "oracle":
+        [speedup...], "oracle_k": [...]}}, "files": [...]}``.
+    """
+    rows, cfg = result["rows"], result["config"]
+    drafters: dict[str, Any] = {}
+    for d in cfg["drafters"]:
+        oracle = sorted((o for o in result["oracle"] if o["drafter"] == d), key=lambda o: o["concurrency"])
+        cs = [o["concurrency"] for o in oracle]
+        by_cell = {(r["policy"], r["concurrency"]): r for r in rows if r["drafter"] == d}
+        drafters[d] = {
+            "concurrency": cs,
+            "policies": {
+                p: [(by_cell.get((p, c)) or {}).get("speedup") for c in cs] for p in cfg["policies"]
+            },
+            "oracle": [o["speedup"] for o in oracle],
+            "oracle_k": [o["k"] for o in oracle],
+        }
+    n = max(1, len(drafters))
+    fig, axes = _figure(max(7.5, 4.4 * n), 4.6, ncols=n)
+    axes = [axes] if n == 1 else list(axes)
+    for ax, (d, g) in zip(axes, drafters.items()):
+        xs = g["concurrency"]
+        for i, (p, ys) in enumerate(g["policies"].items()):
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", color=f"C{i % 10}", label=p)
+        ax.plot(xs, g["oracle"], "s--", color="black", lw=1.2, ms=5, label="oracle (best static k)")
+        for x, y, k in zip(xs, g["oracle"], g["oracle_k"]):
+            if y is not None:
+                ax.annotate(
+                    f"k={k}",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize="x-small",
+                )
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="plain (1.0)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_xlabel("concurrency (requests at once)")
+        ax.set_ylabel("speedup over plain decoding (×)")
+        ax.set_title(d, fontsize="medium")
+        ax.margins(y=0.15)
+        ax.grid(alpha=0.3)
+        _legend(ax, len(g["policies"]) + 2 if ax is axes[0] else 0)
+    if not drafters:
+        _no_data(axes[0], "drafters")
+    model = Path(cfg["model"]["name"]).name
+    dataset = cfg["dataset"]["name"]
+    fig.suptitle(
+        f"Speedup against concurrency, policies at k={cfg['num_speculative_tokens']}\n"
+        f"target {model} ({result.get('dtype')}), {dataset} ({result.get('num_prompts')} prompts), "
+        f"max_tokens {cfg['max_tokens']}",
+        fontsize="medium",
+    )
+    files = _save(fig, Path(out_dir), "speedup_vs_concurrency", formats)
+    return {"drafters": drafters, "files": [str(f) for f in files]}
+
+
 # ------------------------------------------------------------------------------------------ table
 def results_table(runs: Sequence[Run], root: Path | None = None) -> tuple[str, list[dict[str, Any]]]:
     """A markdown table with one row per run, and its rows as dicts."""

@@ -46,15 +46,17 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import hydra
 from omegaconf import DictConfig
 
 from experiments.config import (
     DatasetConfig,
+    EngineConfig,
     ExperimentConfig,
     GrammarConfig,
+    ModelConfig,
     NoGrammarConfig,
     SamplingConfig,
     config_to_dict,
@@ -104,7 +106,16 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
-def default_llm_factory(cfg: ExperimentConfig, device: str | None = None) -> LLMFactory:
+class LLMSettings(Protocol):
+    """What :func:`default_llm_factory` reads of a config (:class:`ExperimentConfig`,
+    :class:`~experiments.config.ConcurrencyConfig`...)."""
+
+    model: ModelConfig
+    engine: EngineConfig
+    seed: int
+
+
+def default_llm_factory(cfg: LLMSettings, device: str | None = None) -> LLMFactory:
     """Build ``specdec.LLM`` for the configured target, engine options and seed, on ``device``
     (default: :func:`experiments.tracking.pick_device` of ``engine.device``)."""
     device = device or pick_device(cfg.engine.device)

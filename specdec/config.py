@@ -213,9 +213,12 @@ class SpeculativeConfig:
         max_tree_nodes: "dynamic": draft tokens kept after reranking (the verified tree's size).
         drafter_kwargs: keyword arguments passed to the drafter's constructor (user drafters).
         policy: the speculation policy, a registered name (:func:`specdec.policies.policy_names`):
-            ``"static"`` (depth k every step, the default) or ``"batch_size"`` (k from a schedule over the
-            step's batch size); see :mod:`specdec.policies`.
-        policy_kwargs: keyword arguments of the policy's constructor (``"batch_size"``: ``schedule``).
+            ``"static"`` (depth k every step, the default), ``"batch_size"`` (k from a schedule over the
+            step's batch size), ``"goodput"`` (expected committed tokens per second from acceptance
+            history and the step's cost) or ``"ucb"`` (a bandit over depths, BanditSpec's UCBSpec); see
+            :mod:`specdec.policies`.
+        policy_kwargs: keyword arguments of the policy's constructor (``"static"``: ``depth``;
+            ``"batch_size"``: ``schedule``; ``"goodput"`` / ``"ucb"``: see their classes).
 
     Raises:
         ConfigError (a ValueError): unknown method (the message names the registered ones), k outside

@@ -7,6 +7,22 @@ from pathlib import Path
 import pytest
 import torch
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _step_cost_cache(tmp_path_factory):
+    """The engine's step-cost cache (:mod:`specdec.engine.cost_profile`) in a folder of this test session:
+    tests neither read a developer's cached costs nor write to ``~/.cache``."""
+    import os
+
+    old = os.environ.get("SPECDEC_CACHE_DIR")
+    os.environ["SPECDEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("specdec_cache"))
+    yield
+    if old is None:
+        os.environ.pop("SPECDEC_CACHE_DIR", None)
+    else:
+        os.environ["SPECDEC_CACHE_DIR"] = old
+
+
 TINY_CONFIGS = {
     # name: (family, heads, kv_heads, tie)
     "llama-gqa3-tied": ("llama", 6, 2, True),

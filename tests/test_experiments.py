@@ -175,6 +175,15 @@ def test_every_config_file_composes_and_validates(hydra_conf, path):
         assert isinstance(cfg, BenchConfig) and cfg.methods == ["plain", "ngram"]
         assert cfg.engine.llm_kwargs(cfg.model)["dtype"] == "bfloat16"
         return
+    if path == "concurrency.yaml":  # tests/test_experiments_concurrency.py checks it in depth
+        from experiments.config import ConcurrencyConfig, to_concurrency_config
+
+        # policies named: the default lists one (ucb) that may not be registered yet
+        dcfg = compose(config_name="concurrency", overrides=["policies=[goodput,batch_size]"])
+        cfg = to_concurrency_config(dcfg)
+        assert isinstance(cfg, ConcurrencyConfig) and cfg.drafters == ["ngram"]
+        assert cfg.engine.llm_kwargs(cfg.model)["dtype"] == "bfloat16"
+        return
     if parts[0] == "hydra":
         pytest.importorskip(
             {

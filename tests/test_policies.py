@@ -77,7 +77,7 @@ def _spec(setup, method: str, policy: str, k: int = 3, **kwargs) -> dict:
 
 # ----------------------------------------------------------------------------------- config errors
 def test_registry_and_config_errors_name_the_field():
-    assert {"static", "batch_size", "goodput"} <= set(policy_names())
+    assert {"static", "batch_size", "goodput", "ucb"} <= set(policy_names())
     with pytest.raises(ConfigError, match=r"unknown speculation policy 'nope'; registered: .*batch_size"):
         SpeculativeConfig(method="ngram", policy="nope")
     with pytest.raises(ConfigError, match=r"k in 0\.\.4"):
@@ -107,12 +107,12 @@ def test_batch_size_schedule():
 
 
 # ----------------------------------------------------------------------------------- goodput
-def _inputs(spec_stats_list, batch_size=None, cap=4):
+def _inputs(spec_stats_list, batch_size=None, cap=4, out=0):
     from types import SimpleNamespace
 
     n = len(spec_stats_list)
     reqs = [
-        SimpleNamespace(spec_stats=st, request_id=str(i), token_ids=[1])
+        SimpleNamespace(spec_stats=st, request_id=str(i), token_ids=[1], num_output_tokens=out)
         for i, st in enumerate(spec_stats_list)
     ]
     return [PolicyInput(r, cap, batch_size or n, n) for r in reqs]
@@ -167,11 +167,29 @@ def test_goodput_learns_step_costs_when_not_frozen():
     assert policy.decide(_inputs([None])) == [0]  # 5 tokens cost 6 steps here: drafting cannot pay
 
 
+def test_cost_model_corrects_untried_counts_by_the_observed_ratio():
+    from specdec.policies.cost_model import StepCostModel
+
+    model = StepCostModel(step_s={1: 0.02, 8: 0.04, 16: 0.06})  # a profile of the forward alone
+    for _ in range(50):
+        model.observe(8, 0.08, 0, 0.0)  # real steps of 8 tokens cost twice the profile
+    assert model.target_s(8) == pytest.approx(0.08)
+    assert model.target_s(16) == pytest.approx(0.12)  # never played: the profile × the observed ratio
+    assert model.target_s(12) == pytest.approx(0.10)  # interpolated, then corrected
+    model.set_base({1: 0.01})  # a new profile forgets the corrections
+    assert model.target_s(1) == 0.01 and model.target_s(2) == pytest.approx(0.01 * (1 + 1 / 64))
+    frozen = StepCostModel(step_s={1: 0.02}, frozen=True)
+    frozen.observe(1, 0.5, 0, 0.0)
+    assert frozen.target_s(1) == 0.02
+
+
 def test_goodput_config_errors():
     for kwargs, match in [
         ({"prior_acceptance": 1.5}, "prior_acceptance"),
         ({"prior_weight": -1}, "prior_weight"),
-        ({"frozen": True}, "frozen=True needs step_s"),
+        ({"frozen": True, "profile": False}, "frozen=True needs step_s or profile"),
+        ({"frozen": 1}, "booleans"),
+        ({"explore_every": -1}, "explore_every"),
         ({"step_s": [[0, 0.01]]}, "step_s entries"),
         ({"step_s": "fast"}, "step_s"),
         ({"draft_s_per_position": -1.0}, "draft_s_per_position"),
@@ -200,6 +218,152 @@ def test_frozen_goodput_repeats_seeded_runs_exactly(setup):
     assert {k for _, k in runs[0][1]} != {0}  # it did speculate
 
 
+def test_goodput_explores_a_request_whose_estimate_sank():
+    dear = {"step_s": [[1, 0.010], [2, 0.015], [64, 0.5]], "frozen": True, "explore_every": 8}
+    hopeless = _stats([0, 0, 0, 0], [100, 100, 100, 100])
+    policy = build_policy("goodput", PolicyContext(4), dear)
+    answers = [policy.decide(_inputs([hopeless], out=n))[0] for n in range(20)]
+    assert answers == [0] * 8 + [1] + [0] * 7 + [1] + [0] * 3  # one probe per 8 of its tokens
+    never = build_policy("goodput", PolicyContext(4), {**dear, "explore_every": 0})
+    assert [never.decide(_inputs([hopeless], out=n))[0] for n in range(20)] == [0] * 20
+
+
+def test_goodput_history_is_bounded():
+    from specdec.policies.goodput import HISTORY
+
+    policy = build_policy("goodput", PolicyContext(2), {"step_s": [[1, 0.01]], "frozen": True})
+    for n in range(HISTORY + 10):
+        policy.decide(_inputs([None], out=n))
+    assert len(policy.history) == HISTORY
+
+
+def test_step_costs_are_profiled_once_cached_and_keyed(setup, monkeypatch, tmp_path):
+    import json
+
+    from specdec.engine import cost_profile
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    spec = _spec(setup, "ngram", "goodput", k=3)
+    llm = LLM(setup["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    engine = llm.engine
+    _greedy(llm, PROMPTS[:2])
+    profiled = dict(engine._step_costs)
+    counts = cost_profile.token_counts(engine)
+    assert sorted(profiled) == counts and counts[:3] == [1, 2, 4] and 4 in counts  # 4 = k + 1
+    assert all(0 < s < 1 for s in profiled.values())
+    assert set(counts) <= set(engine.policy.costs.step_s)  # the policy started from them
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks  # the scratch blocks came back
+    key, what = cost_profile.cost_key(engine)
+    assert what["dtype"] == "torch.float32" and what["compiled"] is None
+    data = json.loads((tmp_path / "step_costs.json").read_text())
+    assert {int(n): s for n, s in data[key]["step_s"].items()} == profiled
+    # A second engine with the same key loads the costs instead of profiling.
+    monkeypatch.setattr(cost_profile, "profile_target", lambda *a, **k: pytest.fail("profiled again"))
+    llm2 = LLM(setup["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    _greedy(llm2, PROMPTS[:1])
+    assert llm2.engine._step_costs == profiled
+    # Another thread count is another key; "off" disables the cache.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert cost_profile.cost_key(engine)[0] != key
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", "off")
+    assert cost_profile.cache_path() is None
+
+
+def test_frozen_profiled_goodput_repeats_across_engines(setup, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))  # the first engine profiles, the second loads
+    spec = _spec(setup, "draft_model", "goodput", k=3, policy_kwargs={"frozen": True})
+    runs = []
+    for _ in range(2):
+        llm = LLM(setup["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=12, seed=7 + i, ignore_eos=True) for i in range(4)
+        ]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params)
+        runs.append(([list(o.outputs[0].token_ids) for o in outs], list(llm.engine.policy.history)))
+        assert llm.engine.policy.costs.frozen and llm.engine.policy.costs.step_s == llm.engine._step_costs
+    assert runs[0] == runs[1]
+
+
+# ----------------------------------------------------------------------------------- ucb
+def _ucb_play(policy, batch_size: int, steps: int, commits: list[int], cost) -> list[int]:
+    from specdec.policies import StepObservation
+
+    chosen = []
+    for _ in range(steps):
+        (d,) = policy.decide(_inputs([None], batch_size=batch_size))
+        chosen.append(d)
+        step = StepObservation(
+            batch_size * (1 + d), cost(batch_size, d), 0.0, d, (), num_committed=batch_size * commits[d]
+        )
+        policy.observe_step(step)
+    return chosen
+
+
+def test_ucb_learns_the_best_depth_per_batch_size():
+    from collections import Counter
+
+    commits = [1, 2, 2, 4, 3]  # tokens per request committed at depth d (a synthetic drafter)
+    # batch 1: drafting is nearly free, depth 3 commits the most per second (348 vs 250, 190, 181, 100);
+    # batch 16: each extra token costs, plain decoding wins (1600 vs 1454, 1043...).
+    cost = lambda b, d: 0.010 + 0.0005 * d if b == 1 else 0.010 * (1 + 1.2 * d)  # noqa: E731
+    policy = build_policy("ucb", PolicyContext(4), {"exploration": 0.3, "discount": 1.0})
+    first = _ucb_play(policy, 1, 5, commits, cost)
+    assert first == [0, 1, 2, 3, 4]  # every arm once, in order
+    b1, b16 = [], []
+    for _ in range(60):
+        b1 += _ucb_play(policy, 1, 5, commits, cost)
+        b16 += _ucb_play(policy, 16, 5, commits, cost)
+    # Deterministic rewards: the best arm takes most of the last 100 plays (UCB keeps probing the rest).
+    (arm1, n1), (arm16, n16) = Counter(b1[-100:]).most_common(1)[0], Counter(b16[-100:]).most_common(1)[0]
+    assert (arm1, arm16) == (3, 0) and n1 >= 70 and n16 >= 70, (n1, n16)
+    assert policy.decide(_inputs([None], batch_size=1, cap=2)) in ([0], [1], [2])  # capped per request
+
+
+def test_frozen_ucb_depends_on_the_token_history_alone():
+    import random
+
+    from specdec.policies import StepObservation
+
+    def run(kwargs):
+        a, b = build_policy("ucb", PolicyContext(4), kwargs), build_policy("ucb", PolicyContext(4), kwargs)
+        rng = random.Random(0)
+        for step in range(200):
+            (da,), (db,) = a.decide(_inputs([None])), b.decide(_inputs([None]))
+            if da != db:
+                return False
+            committed = 1 + min(da, step % 4)  # the same tokens for both; different measured seconds
+            for p in (a, b):
+                p.observe_step(
+                    StepObservation(1 + da, rng.uniform(0.001, 1.0), 0.0, da, (), num_committed=committed)
+                )
+        return True
+
+    assert run({"frozen": True, "step_s": [[1, 0.01], [64, 0.02]]})
+    assert not run({})  # negative control: measuring the time makes the choices differ
+
+
+def test_ucb_config_errors():
+    for kwargs, match in [
+        ({"arms": [0, 5]}, "arms"),
+        ({"arms": [1, 1]}, "arms"),
+        ({"arms": []}, "arms"),
+        ({"exploration": 0}, "exploration"),
+        ({"discount": 1.5}, "discount"),
+        ({"frozen": True, "profile": False}, "frozen=True needs step_s or profile"),
+        ({"bogus": 1}, "bad policy_kwargs"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            SpeculativeConfig(method="ngram", num_speculative_tokens=4, policy="ucb", policy_kwargs=kwargs)
+    with pytest.raises(ConfigError, match="depth must be an integer in"):
+        SpeculativeConfig(
+            method="ngram", num_speculative_tokens=4, policy="static", policy_kwargs={"depth": 5}
+        )
+
+
 # ----------------------------------------------------------------------------------- greedy equality
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = [
@@ -222,6 +386,10 @@ PROMPTS = [[3, 4, 5, 3, 4, 5, 3], [1, 2, 1, 2, 1], [5, 6, 7, 5, 6], [2, 2, 3, 2,
         ("test_varying", None),
         ("goodput", None),
         ("goodput", {"step_s": [[1, 0.01], [8, 0.012], [32, 0.05]], "frozen": True}),
+        ("goodput", {"frozen": True}),  # frozen at the profiled costs
+        ("ucb", None),
+        ("ucb", {"frozen": True, "arms": [0, 1, 3]}),
+        ("static", {"depth": 1}),
     ],
 )
 def test_greedy_output_equals_plain_decoding_under_every_policy(setup, method, policy, kwargs):
@@ -288,6 +456,24 @@ def test_sampling_under_a_varying_depth_matches_the_target(setup):
     assert {a for _, a in llm.engine.policy.answers} == {0, 1, 2}
     stats = llm.engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("policy", ["goodput", "ucb"])
+def test_sampling_under_the_adaptive_policies_matches_the_target(setup, policy):
+    # Frozen (the deterministic mode, at the profiled costs): decisions from the token history alone.
+    # Without it, goodput's depths also follow measured times; that mode showed p < 1e-3 in 5 of 12
+    # seeded runs of this test (unexplained; see issue 19), so it is not claimed exact here.
+    llm = LLM(
+        setup["target"], skip_tokenizer_init=True, seed=7, block_size=4, max_model_len=32,
+        max_num_batched_tokens=512,
+        speculative_config=_spec(setup, "draft_model", policy, k=2, policy_kwargs={"frozen": True}),
+    )  # fmt: skip
+    counts = _counts(llm, CALLS)
+    res = goodness_of_fit(setup["exact"], counts)
+    print(f"[gof] draft_model, {policy}: {res.describe()}")
+    assert res.pvalue >= ALPHA, res.describe()
+    assert len({d for _, d in llm.engine.policy.history}) >= 2  # the depth varied
+    assert llm.engine.spec_stats.num_drafts > 0
 
 
 def test_varying_depth_negative_control_fails(setup):

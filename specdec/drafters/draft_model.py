@@ -4,8 +4,10 @@
 The draft model has its own KV cache tensors but shares the target's block tables and slot mapping:
 a token's draft K/V lives in the same slot as its target K/V, so allocation, prefix caching, rollback
 and preemption of the target apply to the draft cache too. Per request the drafter tracks how many
-committed tokens have valid draft KV (its typed per-request state); each step it first catches up on
-the committed tokens it has not seen (prompt chunks, the last verified tokens), then drafts. After
+committed tokens have valid draft KV (its typed per-request state); each step that drafts for a request
+first catches up on the committed tokens it has not seen (prompt chunks, the last verified tokens, the
+decode steps a speculation policy gave no drafts), then drafts. Catch-up is lazy for those decode steps,
+so a step without drafts costs the draft model nothing; prompt chunks are caught up as they come. After
 verification the KV of accepted drafts stays valid; the rest is simply overwritten later.
 """
 
@@ -141,6 +143,8 @@ class DraftModelDrafter(DrafterBase):
         # 1. Catch up on committed tokens; the last row of each drafting request gives draft 1.
         segments, drafting = [], []
         for i, x in enumerate(batch):
+            if x.max_drafts <= 0 and x.num_new_tokens <= 1:
+                continue  # a decode step without drafts: its catch-up waits for the next drafting step
             req, state = x.request, self._state(x.request)
             end = req.num_computed_tokens + x.num_new_tokens
             start = min(state.num_computed, end - 1) if x.max_drafts > 0 else min(state.num_computed, end)

@@ -25,6 +25,7 @@ from specdec.engine import faults
 from specdec.engine.admission import GrammarAdmission, validate_request
 from specdec.engine.build import EngineParts, build_engine_parts, build_scheduler
 from specdec.engine.commit import commit_all
+from specdec.engine.cost_profile import step_costs
 from specdec.engine.policy_step import apply_policy, observe_policy
 from specdec.engine.proposals import propose_drafts
 from specdec.engine.threads import ThreadPolicy
@@ -137,6 +138,9 @@ class LLMEngine:
         #: Chooses each request's draft depth per step (None: plain decoding); assignable, as the drafter.
         self.policy: SpeculationPolicy | None = spec.build_policy() if spec else None
         self._policy_disabled: set[str] = set()  # requests whose policy failed: no drafts for them
+        self._policy_prepared: SpeculationPolicy | None = None  # the policy that got the step costs
+        self._policy_learns = True  # False once the policy's observe_step raised
+        self._step_costs: dict[int, float] | None = None  # the target's profiled step costs
         self.kv, self.scheduler = build_scheduler(parts, cache_config, scheduler_config, spec)
         self.spec_stats: SpecStats | None = None
         self.reset_spec_stats()
@@ -284,8 +288,27 @@ class LLMEngine:
                 for rid in aborts:
                     self.abort_request(rid)
 
+    def prepare_policy(self) -> None:
+        """Hand the policy the target's step costs if it wants them (``wants_step_costs``): profiled once
+        per engine, or loaded from the cache (:mod:`specdec.engine.cost_profile`). ``step`` calls it
+        before a new policy's first decision; call it yourself to keep the profile out of a timed run.
+        Run it between steps (the profile borrows free KV blocks)."""
+        policy = self.policy
+        if policy is None or policy is self._policy_prepared:
+            return
+        self._policy_prepared, self._policy_learns = policy, True
+        if getattr(policy, "wants_step_costs", False):
+            if self._step_costs is None:
+                self._step_costs = step_costs(self)
+            try:
+                policy.set_step_costs(dict(self._step_costs))
+            except Exception as e:  # a plug-in's fault: it decides without the profile
+                logger.warning("the speculation policy's set_step_costs raised %s: %s", type(e).__name__, e)
+
     def _step(self) -> list[Request]:
         self.admit_compiled()
+        if self.drafter is not None:
+            self.prepare_policy()  # before scheduling: the profile borrows free KV blocks
         out = self.scheduler.schedule()
         for req in out.preempted:  # their KV is gone: drafters rebuild state from the committed tokens
             if self.drafter is not None:
@@ -322,8 +345,10 @@ class LLMEngine:
         target_s = time.perf_counter() - t0
         if self.spec_stats is not None:
             self.spec_stats.verify_time_s += target_s
-        if self.policy is not None:
-            observe_policy(self.policy, scheduled, batch.sampling, results, draft_s, target_s)
+        if self.policy is not None and self._policy_learns:
+            self._policy_learns = observe_policy(
+                self.policy, scheduled, batch.sampling, results, draft_s, target_s
+            )
         return failed + updated
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:

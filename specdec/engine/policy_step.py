@@ -1,4 +1,5 @@
-"""Applying the speculation policy to a step: each drafting request's depth cap, before drafting.
+"""Applying the speculation policy to a step: each drafting request's depth cap, before drafting, and
+what the step cost and yielded, after it.
 
 A policy is a plug-in: its answers are checked. A batch call that raises is retried request by request;
 a request whose call raises, or whose answer is not an integer >= 0, has speculation switched off for
@@ -8,7 +9,6 @@ cut to it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,10 @@ def apply_policy(policy: SpeculationPolicy, scheduled: list[ScheduledRequest], d
     drafting = [s for s in scheduled if s.max_draft_depth > 0]
     if not drafting:
         return
-    inputs = [PolicyInput(s.request, s.max_draft_depth, len(scheduled), len(drafting)) for s in drafting]
+    num_tokens = sum(s.num_new_tokens for s in scheduled)
+    inputs = [
+        PolicyInput(s.request, s.max_draft_depth, len(scheduled), len(drafting), num_tokens) for s in drafting
+    ]
     try:
         answers = list(policy.decide(inputs))
         if len(answers) != len(inputs):
@@ -70,12 +73,13 @@ def observe_policy(
     results: list[VerifyResult],
     draft_s: float,
     target_s: float,
-) -> None:
-    """Hand a learning policy (one with ``observe_step``) the step's cost and acceptance; a policy that
-    raises here keeps running (logged once, its learning is skipped from then on)."""
+) -> bool:
+    """Hand a learning policy (one with ``observe_step``) the step's cost and acceptance. Returns False
+    when ``observe_step`` raised (logged; the engine then skips the policy's learning from then on, and
+    its decisions continue)."""
     observe = getattr(policy, "observe_step", None)
-    if observe is None or getattr(policy, "_specdec_observe_failed", False):
-        return
+    if observe is None:
+        return True
     per_request = []
     for s, r in zip(sampling, results):
         depth = len(s.draft_token_ids) if s.draft_tree is None else s.draft_tree.max_depth
@@ -87,6 +91,7 @@ def observe_policy(
         draft_s=draft_s,
         max_depth=max((d for d, _ in per_request), default=0),
         per_request=tuple(per_request),
+        num_committed=sum(len(r.token_ids) for r in results),
     )
     try:
         observe(step)
@@ -94,5 +99,5 @@ def observe_policy(
         logger.warning(
             "the speculation policy's observe_step raised %s: %s; it learns no more", type(e).__name__, e
         )
-        with contextlib.suppress(AttributeError):
-            policy._specdec_observe_failed = True  # type: ignore[attr-defined]
+        return False
+    return True

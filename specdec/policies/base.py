@@ -47,12 +47,15 @@ class PolicyInput:
         max_drafts: the scheduler's cap on the draft depth this step (``1 .. k``).
         batch_size: requests scheduled this step (drafting or not).
         num_drafting: requests of this step that may draft (this one included).
+        num_scheduled_tokens: the step's batched tokens before any drafts (prefill chunks included; 0:
+            unknown, taken as one per request).
     """
 
     request: Request
     max_drafts: int
     batch_size: int
     num_drafting: int
+    num_scheduled_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class StepObservation:
         max_depth: the deepest draft of the step (0: none).
         per_request: ``(drafted, accepted)`` per request that verified drafts (a tree: its depth and the
             accepted path's length).
+        num_committed: tokens the step committed over all its requests (accepted drafts plus one bonus or
+            recovered token per sampling request).
     """
 
     num_tokens: int
@@ -73,6 +78,7 @@ class StepObservation:
     draft_s: float
     max_depth: int
     per_request: tuple[tuple[int, int], ...] = ()
+    num_committed: int = 0
 
 
 @runtime_checkable
@@ -86,7 +92,18 @@ class SpeculationPolicy(Protocol):
 
 
 class PolicyBase:
-    """Optional hooks of a policy, as no-ops: subclass it for :meth:`observe_step`."""
+    """Optional hooks of a policy, as no-ops: subclass it for :meth:`observe_step` and the step costs.
+
+    Attributes:
+        wants_step_costs: when True, the engine calls :meth:`set_step_costs` with the target's profiled
+            (or cached) step costs before the policy's first decision (:mod:`specdec.engine.cost_profile`).
+    """
+
+    wants_step_costs: bool = False
+
+    def set_step_costs(self, step_s: dict[int, float]) -> None:
+        """Receive ``{num_tokens: seconds}`` of one target forward (profiled at start-up or cached)."""
+        return None
 
     def observe_step(self, step: StepObservation) -> None:
         """Called after every step that verified drafts or could have (learning policies update here)."""

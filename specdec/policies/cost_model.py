@@ -1,10 +1,16 @@
 """What a step costs, for the policies that weigh drafts against time: target step seconds as a function
 of the batched tokens, and drafting seconds per draft position.
 
-:class:`StepCostModel` keeps a running mean of observed target steps per batched-token count and
-interpolates between counts (linearly); beyond the counts seen it scales the nearest one by a prior
-slope (``prior_slope``: the fraction of a one-token step that each extra token adds; small, since a
-decode step is bound by reading the weights). Drafting costs
+:class:`StepCostModel` starts from a base curve, ``step_s`` (the target forward profiled at start-up, or
+costs given up front), interpolated linearly between its counts; beyond them it scales the nearest one
+by a prior slope (``prior_slope``: the fraction of a one-token step that each extra token adds; small,
+since a decode step is bound by reading the weights); with no curve at all it is relative (1 for one
+token). Observed steps correct the curve multiplicatively: a running mean of observed ÷ base per
+token count, used for that count, and one over all counts, used for the counts not observed yet. So a
+count the policy never plays is predicted from the same correction as the ones it plays (the profile
+times the forward alone; a real step adds verification, commit and attention over long contexts),
+rather than from the raw profile, which would make untried counts look cheap.
+Drafting costs
 ``draft_s_per_position`` seconds per draft position of the step (sequential draft steps: a draft model
 or head drafts all requests' position d together), a running mean of observed drafting time divided by
 the step's deepest draft.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.errors import ConfigError
 
@@ -26,7 +33,7 @@ class StepCostModel:
     """Step costs (see the module docstring).
 
     Attributes:
-        step_s: ``{num_tokens: seconds}``, known target step times (the frozen costs, or a start);
+        step_s: ``{num_tokens: seconds}``, the base curve (the frozen costs, or a start);
             empty: nothing measured yet, and :meth:`target_s` is relative (1 for one token).
         draft_s_per_position: drafting seconds per draft position of a step.
         prior_slope: relative cost of one more batched token where nothing was measured.
@@ -52,6 +59,9 @@ class StepCostModel:
                 raise ConfigError(f"step_s entries must be num_tokens >= 1: seconds > 0, got {n!r}: {s!r}")
             clean[n] = float(s)
         self.step_s = clean
+        self._ratio: dict[int, float] = {}  # observed / base, running mean per token count
+        self._scale = 1.0  # observed / base over all counts (1 until a step is observed)
+        self._num_observed = 0
         for name in ("draft_s_per_position", "prior_slope"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < math.inf:
@@ -59,8 +69,17 @@ class StepCostModel:
         if not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:
             raise ConfigError(f"decay must be in (0, 1], got {self.decay!r}")
 
-    def target_s(self, num_tokens: int) -> float:
-        """Predicted seconds of a target step over ``num_tokens`` batched tokens."""
+    def set_base(self, step_s: dict[int, float]) -> None:
+        """Replace the base curve (the engine's profile) and forget the corrections learned so far.
+
+        Raises:
+            ConfigError: as the constructor, for bad entries.
+        """
+        self.step_s = StepCostModel(step_s=dict(step_s)).step_s
+        self._ratio, self._scale, self._num_observed = {}, 1.0, 0
+
+    def base_s(self, num_tokens: int) -> float:
+        """The base curve at ``num_tokens`` (before the observed correction)."""
         known = sorted(self.step_s)
         if not known:
             return 1 + self.prior_slope * (num_tokens - 1)
@@ -72,9 +91,13 @@ class StepCostModel:
                 return self.step_s[a]
             w = (num_tokens - a) / (b - a)
             return (1 - w) * self.step_s[a] + w * self.step_s[b]
-        ref = lo[-1] if lo else hi[0]  # extrapolate from the nearest measured count with the prior slope
+        ref = lo[-1] if lo else hi[0]  # extrapolate from the nearest known count with the prior slope
         base = self.step_s[ref] / (1 + self.prior_slope * (ref - 1))
         return base * (1 + self.prior_slope * (num_tokens - 1))
+
+    def target_s(self, num_tokens: int) -> float:
+        """Predicted seconds of a target step over ``num_tokens`` batched tokens."""
+        return self.base_s(num_tokens) * self._ratio.get(num_tokens, self._scale)
 
     def draft_s(self, depth: int) -> float:
         """Predicted drafting seconds of a step whose deepest draft is ``depth``."""
@@ -82,10 +105,49 @@ class StepCostModel:
 
     def observe(self, num_tokens: int, target_s: float, depth: int, draft_s: float) -> None:
         """Fold one step's measured times in (ignored when frozen)."""
-        if self.frozen or not (0 < target_s < math.inf):
+        if self.frozen or not (0 < target_s < math.inf) or num_tokens < 1:
             return
-        old = self.step_s.get(num_tokens)
-        self.step_s[num_tokens] = target_s if old is None else (1 - self.decay) * old + self.decay * target_s
+        r = target_s / self.base_s(num_tokens)
+        old = self._ratio.get(num_tokens)
+        self._ratio[num_tokens] = r if old is None else (1 - self.decay) * old + self.decay * r
+        self._scale = r if self._num_observed == 0 else (1 - self.decay) * self._scale + self.decay * r
+        self._num_observed += 1
         if depth > 0 and 0 <= draft_s < math.inf:
             per = draft_s / depth
             self.draft_s_per_position = (1 - self.decay) * self.draft_s_per_position + self.decay * per
+
+
+def cost_model_from_kwargs(
+    policy: str,
+    step_s: Any,
+    draft_s_per_position: float,
+    prior_slope: float,
+    frozen: bool,
+    profile: bool,
+) -> StepCostModel:
+    """The cost model of a policy's keyword arguments (shared by the policies that use one).
+
+    ``step_s``: ``{num_tokens: seconds}`` or ``[[num_tokens, seconds], ...]`` (Hydra writes lists), or
+    None. ``profile``: take the engine's profiled costs (``set_step_costs``) when ``step_s`` is None.
+
+    Raises:
+        ConfigError: a malformed ``step_s``; ``frozen`` with neither ``step_s`` nor ``profile``; the
+            cost model's own checks.
+    """
+    if not isinstance(frozen, bool) or not isinstance(profile, bool):
+        raise ConfigError(
+            f"{policy} policy: frozen and profile must be booleans, got {frozen!r}, {profile!r}"
+        )
+    if frozen and step_s is None and not profile:
+        raise ConfigError(f"{policy} policy: frozen=True needs step_s or profile=True (the costs to freeze)")
+    if isinstance(step_s, (list, tuple)):
+        try:
+            step_s = {int(n): float(s) for n, s in step_s}
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{policy} policy: step_s must be [[num_tokens, seconds], ...], got {step_s!r}"
+            ) from None
+    kwargs: dict[str, Any] = {"draft_s_per_position": draft_s_per_position, "prior_slope": prior_slope}
+    if step_s is not None:
+        kwargs["step_s"] = step_s
+    return StepCostModel(frozen=frozen, **kwargs)

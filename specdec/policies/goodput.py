@@ -9,27 +9,36 @@ SpecDec++ and vLLM's per-position metrics). The products ``q_i`` are estimated p
 towards ``prior_acceptance ** i``.
 
 Each step the policy picks one depth ``k`` for the batch (each request capped by its own limit) that
-maximises ``sum_r E_r(min(k, cap_r)) / (target_s(T(k)) + draft_s(k))``, where ``T(k)`` is the step's
-batched tokens and the costs come from :class:`~specdec.policies.cost_model.StepCostModel` (observed
-steps, or frozen costs given up front), then, least promising first, drops a request's drafts wherever
-the step's rate is higher without them. ``k = 0`` (plain decoding) is always a candidate, so under a
-cost model that matches the machine speculation never loses on expectation.
+maximises ``(n_0 + sum_r E_r(min(k, cap_r))) / (target_s(T(k)) + draft_s(k))``, where ``n_0`` counts
+the step's requests that do not draft (one token each), ``T(k)`` is the step's batched tokens (prefill
+chunks included: ``PolicyInput.num_scheduled_tokens`` plus the drafts) and the costs come from
+:class:`~specdec.policies.cost_model.StepCostModel` (the target's step profiled at start-up or loaded from
+the cache, :mod:`specdec.engine.cost_profile`, refreshed from observed steps; or costs given up front),
+then, least promising first, drops a request's drafts wherever the step's rate is higher without them.
+``k = 0`` (plain decoding) is always a candidate, so under a
+cost model that matches the machine speculation never loses on expectation. Exploration: a request that
+drafted nothing for ``explore_every`` of its tokens drafts one (its estimate can then recover).
 
 Exact: the depth is decided from committed history and costs before the step's drafts exist. With
-``frozen=True`` (and ``step_s`` / ``draft_s_per_position`` given) decisions depend on the token history
-alone and seeded runs repeat exactly; otherwise they depend on measured times too (the output
-distribution is the target's either way; only which seeded tokens are drawn can differ).
+``frozen=True`` the costs are fixed (given as ``step_s``, or the profiled / cached ones) and decisions
+depend on the token history alone, so seeded runs over the same costs repeat exactly; otherwise they
+depend on measured times too (the output distribution is the target's either way; only which seeded
+tokens are drawn can differ).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict, deque
 from typing import Any
 
 from specdec.errors import ConfigError
-from specdec.policies.base import PolicyContext, PolicyInput, StepObservation
-from specdec.policies.cost_model import StepCostModel
+from specdec.policies.base import PolicyBase, PolicyContext, PolicyInput, StepObservation
+from specdec.policies.cost_model import cost_model_from_kwargs
 from specdec.policies.registry import register_policy
+
+#: Decisions kept in ``history``, and requests the exploration clock remembers.
+HISTORY = 4096
 
 
 def expected_tokens(prefix_acceptance: list[float], k: int) -> float:
@@ -39,15 +48,20 @@ def expected_tokens(prefix_acceptance: list[float], k: int) -> float:
 
 
 @register_policy("goodput")
-class GoodputPolicy:
+class GoodputPolicy(PolicyBase):
     """Expected committed tokens per second, maximised per step (see the module docstring).
 
     Args:
         ctx: the engine's policy context.
         prior_acceptance: acceptance per position assumed before anything is observed (0..1).
         prior_weight: pseudo-steps of the prior in each request's estimate (>= 0).
+        explore_every: a request that drafted nothing for this many of its tokens drafts one token (0:
+            never). Without it a request whose estimate sank to 0 would never draft again.
         step_s, draft_s_per_position, prior_slope, frozen: :class:`StepCostModel`'s fields (``step_s``
             as ``{num_tokens: seconds}`` or ``[[num_tokens, seconds], ...]``).
+        profile: when ``step_s`` is not given, start from the target's step costs the engine profiles
+            at start-up or loads from its cache (:mod:`specdec.engine.cost_profile`); with ``frozen``
+            these are the frozen costs.
 
     Raises:
         ConfigError: a parameter out of range.
@@ -58,35 +72,38 @@ class GoodputPolicy:
         ctx: PolicyContext,
         prior_acceptance: float = 0.5,
         prior_weight: float = 2.0,
+        explore_every: int = 16,
         step_s: Any = None,
         draft_s_per_position: float = 0.0,
         prior_slope: float = 1 / 64,
         frozen: bool = False,
+        profile: bool = True,
     ) -> None:
         if not isinstance(prior_acceptance, (int, float)) or not 0 <= prior_acceptance <= 1:
             raise ConfigError(f"goodput policy: prior_acceptance must be in [0, 1], got {prior_acceptance!r}")
         if not isinstance(prior_weight, (int, float)) or not 0 <= prior_weight < math.inf:
             raise ConfigError(f"goodput policy: prior_weight must be >= 0, got {prior_weight!r}")
-        if frozen and step_s is None:
-            raise ConfigError("goodput policy: frozen=True needs step_s (the costs to freeze)")
-        if isinstance(step_s, (list, tuple)):
-            try:
-                step_s = {int(n): float(s) for n, s in step_s}
-            except (TypeError, ValueError):
-                raise ConfigError(
-                    f"goodput policy: step_s must be [[num_tokens, seconds], ...], got {step_s!r}"
-                ) from None
-        kwargs: dict[str, Any] = {"draft_s_per_position": draft_s_per_position, "prior_slope": prior_slope}
-        if step_s is not None:
-            kwargs["step_s"] = step_s
-        self.costs = StepCostModel(frozen=bool(frozen), **kwargs)
+        if type(explore_every) is not int or explore_every < 0:
+            raise ConfigError(f"goodput policy: explore_every must be an integer >= 0, got {explore_every!r}")
+        self.costs = cost_model_from_kwargs(
+            "goodput", step_s, draft_s_per_position, prior_slope, frozen, profile
+        )
+        #: The engine hands over the profiled step costs (when ``step_s`` was not given).
+        self.wants_step_costs = profile and step_s is None
         self.k = ctx.num_speculative_tokens
         self.prior_acceptance = float(prior_acceptance)
         self.prior_weight = float(prior_weight)
+        self.explore_every = explore_every
         self._accepted = [0] * self.k  # over all requests, per position
         self._drafted = [0] * self.k
-        #: (batch size, chosen depth) per decision, for the metrics and tests.
-        self.history: list[tuple[int, int]] = []
+        # request id -> its output length when it last drafted (LRU-bounded): the exploration clock.
+        self._last_draft: OrderedDict[str, int] = OrderedDict()
+        #: (batch size, chosen depth) of the latest decisions (bounded), for the metrics and tests.
+        self.history: deque[tuple[int, int]] = deque(maxlen=HISTORY)
+
+    def set_step_costs(self, step_s: dict[int, float]) -> None:
+        """Take the engine's profiled target step costs (frozen ones too: they are the costs to freeze)."""
+        self.costs.set_base(step_s)
 
     def _shrunk(self, accepted: int, drafted: int, prior: float) -> float:
         w = self.prior_weight
@@ -108,18 +125,20 @@ class GoodputPolicy:
             out.append(min(q, out[-1]) if out else q)
         return out
 
-    def _rate(self, alphas: list[list[float]], depths: list[int], others: int) -> float:
-        tokens = others + sum(1 + d for d in depths)
+    def _rate(self, alphas: list[list[float]], depths: list[int], base_tokens: int, others: int) -> float:
+        tokens = base_tokens + sum(depths)
         seconds = self.costs.target_s(tokens) + self.costs.draft_s(max(depths, default=0))
-        return sum(expected_tokens(a, d) for a, d in zip(alphas, depths)) / seconds
+        return (others + sum(expected_tokens(a, d) for a, d in zip(alphas, depths))) / seconds
 
     def decide(self, batch: list[PolicyInput]) -> list[int]:
         alphas = [self.acceptance(x) for x in batch]
-        others = batch[0].batch_size - len(batch)  # requests that do not draft this step: one token each
-        best, best_rate = [0] * len(batch), self._rate(alphas, [0] * len(batch), others)
+        # The step's tokens without drafts (prefill chunks included; else one per request).
+        base = batch[0].num_scheduled_tokens or batch[0].batch_size
+        others = batch[0].batch_size - len(batch)  # requests that do not draft: about one token each
+        best, best_rate = [0] * len(batch), self._rate(alphas, [0] * len(batch), base, others)
         for k in range(1, self.k + 1):
             depths = [min(k, x.max_drafts) for x in batch]
-            rate = self._rate(alphas, depths, others)
+            rate = self._rate(alphas, depths, base, others)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = depths, rate
         # Then each request's drafts alone, least promising first: dropped where the step does better
@@ -128,11 +147,30 @@ class GoodputPolicy:
             if best[r] == 0:
                 continue
             trial = best[:r] + [0] + best[r + 1 :]
-            rate = self._rate(alphas, trial, others)
+            rate = self._rate(alphas, trial, base, others)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = trial, rate
+        if self.explore_every:
+            best = self._explore(batch, best)
         self.history.append((batch[0].batch_size, max(best, default=0)))
         return best
+
+    def _explore(self, batch: list[PolicyInput], depths: list[int]) -> list[int]:
+        """A request that has not drafted for ``explore_every`` of its tokens drafts one token (its
+        estimate sank, perhaps on a stretch of text the drafter cannot predict: a probe lets it recover).
+        A function of the token history alone, so deterministic."""
+        out = list(depths)
+        for i, x in enumerate(batch):
+            rid, n = x.request.request_id, x.request.num_output_tokens
+            last = self._last_draft.get(rid)
+            if last is None or out[i] > 0:
+                self._last_draft[rid] = n
+            elif n - last >= self.explore_every:
+                out[i], self._last_draft[rid] = 1, n
+            self._last_draft.move_to_end(rid)
+        while len(self._last_draft) > HISTORY:
+            self._last_draft.popitem(last=False)
+        return out
 
     def observe_step(self, step: StepObservation) -> None:
         """Fold a step's times and acceptance into the cost model and the population prior."""

@@ -28,7 +28,12 @@ from typing import Any
 from specdec.errors import ConfigError
 from specdec.policies.base import PolicyContext, SpeculationPolicy
 
-_BUILTIN_MODULES = ("specdec.policies.static", "specdec.policies.batch_size", "specdec.policies.goodput")
+_BUILTIN_MODULES = (
+    "specdec.policies.static",
+    "specdec.policies.batch_size",
+    "specdec.policies.goodput",
+    "specdec.policies.ucb",
+)
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 _loaded = False
 

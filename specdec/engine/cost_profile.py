@@ -1,0 +1,187 @@
+"""The target's step cost, profiled once and cached: seconds of one forward per batched-token count.
+
+Policies that weigh drafts against time (``"goodput"``, ``"ucb"``) ask for it by setting
+``wants_step_costs`` (:class:`~specdec.policies.base.PolicyBase`); before such a policy's first decision
+the engine hands it :func:`step_costs` (``policy.set_step_costs``), measured here or loaded from the
+cache.
+
+Profile: for each token count ``T`` (powers of two up to the largest speculative step the scheduler can
+form, ``min(max_num_seqs, 32) × (num_draft_slots + 1)`` capped by ``max_num_batched_tokens``, plus
+``num_speculative_tokens + 1``), ``min(T, max_num_seqs)`` sequences of about ``T / b`` new tokens at
+positions from 0, every row's logits wanted (verification rows), on scratch KV blocks taken from the pool
+and given back (they may evict cached prefixes; done once per engine, before its first schedule). One
+warm-up forward (a compiled bucket compiles here), then the median of ``repeats`` timed forwards. This is
+the weight-bound part of a step (contexts are short); attention over long contexts, sampling and
+verification are learned from observed steps by the policies' cost model (unless frozen).
+
+Cache: ``$SPECDEC_CACHE_DIR/step_costs.json`` (default ``~/.cache/specdec``), one entry per key: a
+SHA-256 over the model config, dtype, device (and the CPU model or GPU name), torch version, intra-op
+threads, the compiled buckets and backend (or eager), KV cache dtype and attention backend. A second
+engine with the same key loads the costs instead of profiling (so a frozen policy's decisions repeat
+across processes on that machine). ``SPECDEC_CACHE_DIR=off`` disables the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdec.model_runner import Segment, build_inputs
+
+if TYPE_CHECKING:
+    from specdec.engine.engine import LLMEngine
+
+logger = logging.getLogger("specdec.engine")
+
+#: Timed forwards per token count (the median is kept).
+REPEATS = 3
+
+
+def cache_path() -> Path | None:
+    """``$SPECDEC_CACHE_DIR/step_costs.json`` (default ``~/.cache/specdec``); None when the variable is
+    ``off``."""
+    root = os.environ.get("SPECDEC_CACHE_DIR")
+    if root is not None and root.lower() in ("off", "0", "none", ""):
+        return None
+    return Path(root or Path.home() / ".cache" / "specdec") / "step_costs.json"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_key(engine: LLMEngine) -> tuple[str, dict[str, Any]]:
+    """The cache key of ``engine``'s target step cost and the description it hashes."""
+    runner = engine.runner
+    cfg = engine.model_cfg
+    model_cfg = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg)
+    stats = getattr(runner, "compile_stats", None)
+    forward = getattr(runner, "forward", None)
+    what = {
+        "model": model_cfg,
+        "modules": sorted({type(m).__name__ for m in engine.model.modules()}) if engine.model else None,
+        "dtype": str(getattr(runner, "dtype", None)),
+        "device": str(getattr(runner, "device", None)),
+        "device_name": _device_name(getattr(runner, "device", torch.device("cpu"))),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "compiled": list(getattr(forward, "buckets", ())) if stats is not None else None,
+        "kv_cache_dtype": str(getattr(runner, "kv_cache_dtype", None)),
+        "attention": type(getattr(runner, "attention", None)).__name__,
+    }
+    blob = json.dumps(what, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20], what
+
+
+def token_counts(engine: LLMEngine) -> list[int]:
+    """The batched-token counts profiled (see the module docstring)."""
+    sched = engine.scheduler.config
+    slots = max(engine.num_draft_slots, engine.num_speculative_tokens)
+    cap = min(min(sched.max_num_seqs, 32) * (slots + 1), sched.max_num_batched_tokens)
+    counts = {c for c in (2**i for i in range(16)) if c <= cap} | {cap}
+    if engine.num_speculative_tokens + 1 <= cap:
+        counts.add(engine.num_speculative_tokens + 1)
+    return sorted(counts)
+
+
+@torch.inference_mode()
+def profile_target(engine: LLMEngine, counts: list[int], repeats: int = REPEATS) -> dict[int, float]:
+    """Seconds of one target forward per token count in ``counts`` (median of ``repeats``), on scratch
+    blocks of the KV pool; counts that do not fit in the free blocks are skipped."""
+    runner, pool = engine.runner, engine.kv.pool
+    bs = runner.block_size
+    max_seqs = engine.scheduler.config.max_num_seqs
+    with_hidden = engine.drafter is not None and engine.drafter.uses_hidden_states
+    out: dict[int, float] = {}
+    for count in counts:
+        b = min(count, max_seqs)
+        lens = [count // b + (i < count % b) for i in range(b)]
+        need = sum(-(-n // bs) for n in lens)
+        if need > pool.num_free_blocks:
+            continue
+        blocks = pool.allocate(need)
+        try:
+            segments, at = [], 0
+            for n in lens:
+                nb = -(-n // bs)
+                segments.append(Segment(blocks[at : at + nb], 0, [0] * n, n))
+                at += nb
+            inputs = build_inputs(segments, bs, runner.device)
+            run = runner.execute_with_hidden if with_hidden else runner.execute
+            times = []
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                run(inputs)
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+                if i:  # the first call warms up (and compiles a bucket)
+                    times.append(time.perf_counter() - t0)
+            out[count] = statistics.median(times)
+        finally:
+            pool.free(blocks)
+    return out
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def step_costs(engine: LLMEngine) -> dict[int, float]:
+    """``{num_tokens: seconds}`` of ``engine``'s target forward: from the cache when its key is there
+    (and covers the counts), else profiled now and written to the cache. A cache that cannot be read or
+    written is ignored (logged)."""
+    key, what = cost_key(engine)
+    counts = token_counts(engine)
+    path = cache_path()
+    if path is not None:
+        entry = _read(path).get(key)
+        if isinstance(entry, dict):
+            try:
+                costs = {int(n): float(s) for n, s in entry["step_s"].items()}
+            except (KeyError, TypeError, ValueError, AttributeError):
+                costs = {}
+            if costs and all(c in costs for c in counts) and all(s > 0 for s in costs.values()):
+                logger.info("step costs loaded from %s (key %s)", path, key)
+                return costs
+    t0 = time.perf_counter()
+    costs = profile_target(engine, counts)
+    logger.info(
+        "profiled the target step at %d token counts in %.1f s: %s",
+        len(costs),
+        time.perf_counter() - t0,
+        ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in costs.items()),
+    )
+    if path is not None and costs:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = _read(path)
+            data[key] = {"step_s": {str(n): s for n, s in costs.items()}, "what": what, "time": time.time()}
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1, default=str))
+            tmp.replace(path)
+        except OSError as e:
+            logger.warning("could not write the step-cost cache %s: %s", path, e)
+    return costs

@@ -1,0 +1,288 @@
+"""``experiments.concurrency`` on tiny random models: every cell, the derived columns (speedup, oracle,
+targets), exactness of every cell, the run directory and figure, and the config's errors (no timing
+assertions: benchmarks are measured on an idle machine, never in tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+
+from experiments.config import ConcurrencyConfig, register_configs, to_concurrency_config
+
+CHEAP = "policies=[goodput,batch_size]"  # registered whatever else is being added
+
+
+@pytest.fixture(scope="module")
+def hydra_conf():
+    register_configs()
+    with initialize_config_module(config_module="experiments.conf", version_base=None):
+        yield
+
+
+def conc_cfg(*overrides: str) -> ConcurrencyConfig:
+    return to_concurrency_config(compose(config_name="concurrency", overrides=list(overrides)))
+
+
+def test_concurrency_defaults(hydra_conf):
+    from specdec.policies import policy_names
+
+    if "ucb" not in policy_names():
+        with pytest.raises(ValueError, match=r"policies: unknown speculation policy \['ucb'\]; registered: "):
+            conc_cfg()
+    cfg = conc_cfg(CHEAP)
+    assert cfg.concurrency == [1, 2, 4, 8, 16, 32] and cfg.drafters == ["ngram"]
+    assert cfg.static_k == [1, 2, 3, 4] and cfg.engine_k == 4 and cfg.ignore_eos
+    assert [cfg.rounds(c) for c in cfg.concurrency] == [32, 16, 8, 4, 2, 1]
+    assert cfg.dataset.limit == 32 and cfg.engine.dtype is not None and cfg.engine.dtype.value == "bfloat16"
+    assert cfg.speculative_config("ngram") == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    }
+    deep = conc_cfg(
+        CHEAP, "drafters=[quantized_self,eagle]", "static_k=[0,6]", "+drafter_options.eagle.tree=dynamic"
+    )
+    assert deep.engine_k == 6
+    assert deep.speculative_config("quantized_self") == {
+        "method": "quantized_self",
+        "num_speculative_tokens": 6,
+        "quantization": "int4",
+    }
+    assert deep.speculative_config("eagle") == {
+        "method": "eagle",
+        "num_speculative_tokens": 6,
+        "tree": "dynamic",
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["policies=[goodput,nope]"],
+            r"policies: unknown speculation policy \['nope'\]; registered: .*batch_size",
+        ),
+        (["concurrency=[1,0]"], r"concurrency must list integers >= 1, got \[1, 0\]"),
+        (["concurrency=[128]"], r"concurrency 128 exceeds engine.max_num_seqs=64"),
+        (["concurrency=[2,2]"], r"concurrency lists \[2\] more than once"),
+        (
+            ["drafters=[nope]"],
+            r"drafters must be a non-empty list of registered drafters .*unknown: \['nope'\]",
+        ),
+        (["drafters=[draft_model]"], r"has no default draft model: set draft_model="),
+        (["static_k=[-1]"], r"static_k must list integers in \[0, 16\]"),
+        (["num_speculative_tokens=0"], r"num_speculative_tokens must be an integer in \[1, 16\]"),
+        (["min_requests=0"], r"min_requests must be >= 1"),
+        (["+policy_kwargs.batch_size.schedule=[[2,9]]"], r"policy_kwargs.batch_size: batch_size policy"),
+        (["+policy_kwargs.ucb.c=1"], r"policy_kwargs has \['ucb'\], which policies does not list"),
+        (["+drafter_options.ngram.tree=static"], r"drafters \(ngram\): tree='static' needs method 'medusa'"),
+        (["policies=[]", "static_k=[]"], r"policies and static_k are both empty"),
+    ],
+)
+def test_concurrency_config_errors(hydra_conf, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        conc_cfg(CHEAP, *overrides)
+
+
+def test_concurrency_misspelt_key(hydra_conf):
+    with pytest.raises(ConfigCompositionException, match=r"concurency"):
+        conc_cfg(CHEAP, "concurency=[1]")
+
+
+def test_depth_recorder_caps_and_delegates():
+    from experiments.concurrency import DepthRecorder
+
+    class Deep:
+        observed = 0
+
+        def decide(self, batch):
+            return [9, 0, "x"][: len(batch)]
+
+        def observe_step(self, step):
+            self.observed += 1
+
+    class X:
+        def __init__(self, max_drafts):
+            self.max_drafts = max_drafts
+
+    inner = Deep()
+    rec = DepthRecorder(inner, 3)
+    assert rec.decide([X(2), X(4), X(4)]) == [3, 0, "x"]  # capped at k; a bad answer left to the engine
+    assert rec.mean_depth == 1.0  # (min(3, 2) + 0) / 2
+    rec.observe_step(None)
+    assert inner.observed == 1
+    assert DepthRecorder(object(), 1).mean_depth is None
+    assert getattr(DepthRecorder(object(), 1), "observe_step", None) is None
+
+
+def _row(drafter, system, label, c, tps, k=None):
+    return {
+        "drafter": drafter,
+        "system": system,
+        "policy": label if system != "static" else "static",
+        "label": label,
+        "k": k,
+        "concurrency": c,
+        "tokens_per_s": tps,
+    }
+
+
+def test_derive_oracle_and_targets():
+    from experiments.concurrency import derive, targets
+
+    rows = [
+        _row(None, "plain", "plain", 1, 10.0),
+        _row("ngram", "policy", "goodput", 1, 19.5),
+        _row("ngram", "static", "static k=1", 1, 15.0, 1),
+        _row("ngram", "static", "static k=4", 1, 20.0, 4),
+        _row(None, "plain", "plain", 8, 40.0),
+        _row("ngram", "policy", "goodput", 8, 36.0),
+        _row("ngram", "static", "static k=1", 8, 38.0, 1),
+        _row("ngram", "static", "static k=4", 8, 30.0, 4),
+    ]
+    oracle = derive(rows, ["ngram"])
+    assert [(o["concurrency"], o["k"], o["system"], o["speedup"]) for o in oracle] == [
+        (1, 4, "static", 2.0),
+        (8, 0, "plain", 1.0),
+    ]
+    by = {(r["label"], r["concurrency"]): r for r in rows}
+    assert by[("plain", 1)]["speedup"] == 1.0 and by[("plain", 1)]["vs_oracle"] is None
+    assert by[("static k=4", 1)]["vs_oracle"] == 1.0 and by[("static k=4", 1)]["oracle_k"] == 4
+    assert by[("goodput", 1)]["vs_oracle"] == pytest.approx(0.975) and by[("goodput", 1)]["meets_targets"]
+    assert by[("goodput", 8)]["vs_oracle"] == pytest.approx(0.9) and by[("goodput", 8)]["oracle_k"] == 0
+    assert by[("goodput", 8)]["meets_targets"] is False and by[("static k=1", 8)]["meets_targets"] is None
+    t = targets(rows)["goodput"]
+    assert (t["cells"], t["met"], t["failing"]) == (2, 1, ["ngram c=8"])
+    assert t["min_speedup"] == pytest.approx(0.9) and t["min_vs_oracle"] == pytest.approx(0.9)
+
+
+def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu_settings):
+    from experiments.concurrency import run_concurrency
+
+    target, draft = tiny_model_dirs["llama-gqa3-tied"], tiny_model_dirs["llama-mha-untied"]
+    concurrency, drafters, policies, static_k = (
+        [1, 2, 4],
+        ["ngram", "draft_model"],
+        ["goodput", "batch_size"],
+        [0, 1, 3],
+    )
+    cfg = conc_cfg(
+        f"model.name={target}",
+        "dataset=synthetic",
+        "dataset.limit=3",
+        "dataset.prompt_len=16",
+        f"drafters=[{','.join(drafters)}]",
+        f"draft_model={draft}",
+        f"policies=[{','.join(policies)}]",
+        "num_speculative_tokens=2",
+        f"static_k=[{','.join(map(str, static_k))}]",
+        f"concurrency=[{','.join(map(str, concurrency))}]",
+        "max_tokens=8",
+        "min_requests=3",
+        "engine=cpu",
+        "engine.dtype=float32",
+        "engine.torch_threads=1",
+    )
+    assert cfg.engine_k == 3
+    result = run_concurrency(cfg, out_dir=tmp_path)
+    rows = result["rows"]
+    assert len(rows) == len(concurrency) * (1 + len(drafters) * (len(policies) + len(static_k)))
+    cells = {(r["drafter"], r["label"], r["concurrency"]): r for r in rows}
+    assert len(cells) == len(rows)
+    for r in rows:
+        c = r["concurrency"]
+        assert r["rounds"] == math.ceil(3 / c) and r["num_requests"] == r["rounds"] * c
+        assert r["tokens"] == 8 * r["num_requests"] and r["tokens_per_s"] > 0
+        assert 0 < r["tpot_p50_ms"] <= r["tpot_p99_ms"] and r["ttft_p50_ms"] > 0
+        # float32 greedy: speculation is exact, whatever the policy, depth or batch
+        assert r["greedy_equal"] is True, (r["drafter"], r["label"], c)
+        plain = cells[(None, "plain", c)]
+        if r["system"] == "plain":
+            assert r["speedup"] == 1.0 and r["tau"] is None and r["draft_share"] is None
+            continue
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+        assert 0 <= r["draft_share"] < 1 and 0 < r["verify_share"] < 1
+        assert r["draft_share"] + r["verify_share"] < 1
+        cap = cfg.num_speculative_tokens if r["system"] == "policy" else r["k"]
+        assert r["mean_depth"] is not None and 0 <= r["mean_depth"] <= cap
+        if r["label"] == "static k=0":
+            assert r["mean_depth"] == 0 and r["tau"] is None and r["acceptance_rate"] is None
+        if r["label"] == "static k=3":
+            assert r["tau"] >= 1.0 and r["draft_tokens_per_step"] <= 3
+        assert r["vs_oracle"] == pytest.approx(r["tokens_per_s"] / r["oracle_tokens_per_s"])
+        assert (r["meets_targets"] is None) == (r["system"] != "policy")
+    assert len(result["oracle"]) == len(concurrency) * len(drafters)
+    for o in result["oracle"]:
+        d, c = o["drafter"], o["concurrency"]
+        static = [cells[(d, f"static k={j}", c)] for j in static_k]
+        best = max([cells[(None, "plain", c)], *static], key=lambda r: r["tokens_per_s"])
+        assert o["tokens_per_s"] == best["tokens_per_s"] and o["speedup"] >= 1.0
+        assert all(r["vs_oracle"] <= 1.0 for r in static)
+        if o["system"] == "static":
+            assert cells[(d, f"static k={o['k']}", c)]["vs_oracle"] == 1.0
+        else:
+            assert o["k"] == 0
+    assert set(result["targets"]) == set(policies)
+    assert all(t["cells"] == len(concurrency) * len(drafters) for t in result["targets"].values())
+
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["kind"] == "concurrency" and len(saved["rows"]) == len(rows) and saved["engine_k"] == 3
+    assert saved["git"] and saved["versions"]["torch"] and saved["config"]["policies"] == policies
+    table = (tmp_path / "concurrency.md").read_text()
+    assert table == result["table"]
+    assert "| ngram | goodput | 2 | 4 |" in table and "| – | plain | 4 | 4 |" in table
+    assert "| draft_model | 1 |" in table and "goodput: " in table
+    for name in (
+        "config.yaml",
+        "run_info.json",
+        "plots/speedup_vs_concurrency.png",
+        "plots/speedup_vs_concurrency.svg",
+    ):
+        assert (tmp_path / name).is_file(), name
+
+
+def test_plot_speedup_vs_concurrency(tmp_path):
+    from experiments.concurrency import derive
+    from experiments.plot import plot_speedup_vs_concurrency
+
+    rows = []
+    for c, base in ((1, 10.0), (4, 30.0), (16, 80.0)):
+        rows.append(_row(None, "plain", "plain", c, base))
+        for d, gain in (("ngram", 1.5), ("eagle", 1.2)):
+            rows.append(_row(d, "policy", "goodput", c, base * gain / (1 + c / 16)))
+            rows.append(_row(d, "static", "static k=2", c, base * gain / (1 + c / 10), 2))
+    oracle = derive(rows, ["ngram", "eagle"])
+    result = {
+        "rows": rows,
+        "oracle": oracle,
+        "dtype": "float32",
+        "num_prompts": 4,
+        "config": {
+            "drafters": ["ngram", "eagle"],
+            "policies": ["goodput"],
+            "num_speculative_tokens": 4,
+            "max_tokens": 8,
+            "model": {"name": "/tmp/tiny"},
+            "dataset": {"name": "synthetic"},
+        },
+    }
+    fig = plot_speedup_vs_concurrency(result, tmp_path / "plots", formats=("png", "svg"))
+    assert [p.rsplit("/", 1)[-1] for p in fig["files"]] == [
+        "speedup_vs_concurrency.png",
+        "speedup_vs_concurrency.svg",
+    ]
+    assert all(
+        (tmp_path / "plots" / n).stat().st_size > 1000
+        for n in ("speedup_vs_concurrency.png", "speedup_vs_concurrency.svg")
+    )
+    ngram = fig["drafters"]["ngram"]
+    assert ngram["concurrency"] == [1, 4, 16]
+    assert ngram["policies"]["goodput"] == pytest.approx([1.5 / (1 + c / 16) for c in (1, 4, 16)])
+    assert ngram["oracle"] == pytest.approx([1.5 / 1.1, 1.5 / 1.4, 1.0])
+    assert ngram["oracle_k"] == [2, 2, 0]
+    assert fig["drafters"]["eagle"]["oracle_k"] == [2, 0, 0]
