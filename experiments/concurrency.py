@@ -58,9 +58,9 @@ engine reserves KV slots and batch budget for its largest k (``max(num_speculati
 whatever depth a policy chooses, as one serving engine would; a static k = j row is therefore not an
 engine built with k = j. Policies that learn (goodput) start afresh in every cell; a policy's one-time
 start-up work (the engine's step-cost profile for goodput and ucb, once per engine or loaded from
-``~/.cache/specdec/step_costs.json``) runs in an untimed warm-up request per policy. On a 2-core CPU the
-defaults (6 concurrencies, 32 requests × 128 tokens per cell, 7 rows per concurrency) take about an hour;
-``concurrency=[1,4,16] min_requests=16 max_tokens=64`` about a tenth of that.
+``~/.cache/specdec/step_costs.json``) runs untimed, before the cells (``engine.prepare_policy``). On a
+2-core CPU the defaults (6 concurrencies, 32 requests × 128 tokens per cell, 7 rows per concurrency)
+take about an hour; ``concurrency=[1,4,16] min_requests=16 max_tokens=64`` about a tenth of that.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def run_drafter(
     warm_up(llm, warmup)
     for name in cfg.policies:  # a policy's one-time work (the engine's step-cost profile) is not timed
         llm.engine.policy = _policy(name, cfg.num_speculative_tokens, tree, cfg.policy_kwargs.get(name))
-        warm_up(llm, warmup)
+        llm.engine.prepare_policy()
     systems: list[tuple[str, str, int, dict[str, Any] | None]] = [
         ("policy", p, cfg.num_speculative_tokens, cfg.policy_kwargs.get(p)) for p in cfg.policies
     ]

@@ -571,7 +571,7 @@ def plot_speedup_vs_concurrency(
             "oracle_k": [o["k"] for o in oracle],
         }
     n = max(1, len(drafters))
-    fig, axes = _figure(max(7.5, 4.4 * n), 4.6, ncols=n)
+    fig, axes = _figure(max(7.5, 4.4 * n), 5.0, ncols=n)  # room for the three-line title
     axes = [axes] if n == 1 else list(axes)
     for ax, (d, g) in zip(axes, drafters.items()):
         xs = g["concurrency"]
@@ -605,8 +605,8 @@ def plot_speedup_vs_concurrency(
     dataset = cfg["dataset"]["name"]
     fig.suptitle(
         f"Speedup against concurrency, policies at k={cfg['num_speculative_tokens']}\n"
-        f"target {model} ({result.get('dtype')}), {dataset} ({result.get('num_prompts')} prompts), "
-        f"max_tokens {cfg['max_tokens']}",
+        f"target {model} ({result.get('dtype')})\n"
+        f"{dataset} ({result.get('num_prompts')} prompts), max_tokens {cfg['max_tokens']}",
         fontsize="medium",
     )
     files = _save(fig, Path(out_dir), "speedup_vs_concurrency", formats)
