@@ -18,12 +18,18 @@ all of its cells by assigning a fresh policy to ``llm.engine.policy``; its count
 A cell runs ``ceil(min_requests / c)`` rounds; a round submits ``c`` requests together (one ``generate``
 call, continuous batching; prompts taken in order, cycling through the dataset; the prefix cache emptied
 first), greedy, ``ignore_eos`` so that every request writes ``max_tokens`` and the batch stays at c.
-Every model is warmed up once before its first cell.
+Every model is warmed up once before its first cell. Plain decoding is measured beside each drafter's
+rows: per drafter and concurrency, ``repeats`` passes run plain and every row of the drafter in turn,
+the order rotated by one each pass, so that a change in the machine's load reaches them alike; a row's
+speedup is over plain decoding in its own block (``plain_tokens_per_s``), and the plain row pools every
+block.
 
 Columns (``summary.json`` rows; ``concurrency.md``):
 
-- ``tokens_per_s``: generated tokens of the cell ÷ the summed wall time of its rounds.
-- ``speedup``: ``tokens_per_s`` ÷ plain decoding's at the same concurrency (the plain row: 1.0).
+- ``tokens_per_s``: generated tokens of the cell ÷ the summed wall time of its rounds and passes;
+  ``tokens_per_s_passes``: each pass's figure (their spread is the noise of the cell).
+- ``speedup``: ``tokens_per_s`` ÷ plain decoding's at the same concurrency, measured in the same block
+  (``plain_tokens_per_s``; the plain row: 1.0).
 - ``tpot_p50_ms`` / ``tpot_p99_ms``: time per output token, per request (latency − time to first token)
   ÷ (generated tokens − 1), its median and 99th percentile over the cell's requests (linear
   interpolation; with few requests p99 is near the slowest). ``ttft_p50_ms``: the median time to first
@@ -52,8 +58,8 @@ oracle, targets, config, git, versions, seeds), ``concurrency.md``, ``config.yam
 per drafter, one line per policy, the oracle dashed, 1.0 dotted).
 
 Caveats: run it on an otherwise idle machine, never beside another heavy job (tests, a training run,
-another benchmark): a cell is one timed pass, and a neighbour's load shifts cells unequally. Plain
-decoding runs first, then each drafter, so a change in load during the run biases speedups. A drafter's
+another benchmark): a neighbour's load shifts cells unequally. On a shared VM one pass of a cell varies by
+about ±5 %, the size of the 0.95 margin of the targets: use ``repeats`` >= 2 for figures. A drafter's
 engine reserves KV slots and batch budget for its largest k (``max(num_speculative_tokens, static_k)``)
 whatever depth a policy chooses, as one serving engine would; a static k = j row is therefore not an
 engine built with k = j. Policies that learn (goodput) start afresh in every cell; a policy's one-time
@@ -225,34 +231,44 @@ def _log_cell(row: dict[str, Any]) -> None:
     )
 
 
-def run_plain(
-    cfg: ConcurrencyConfig, prompts: list[list[int]], device: str, warmup: list[int], params: Any
-) -> tuple[list[dict[str, Any]], dict[int, list[list[int]]]]:
-    """Plain decoding at every concurrency; returns (rows, outputs per concurrency)."""
-    llm = _make_llm(cfg, None, device)
-    warm_up(llm, warmup)
-    rows, outputs = [], {}
-    for c in cfg.concurrency:
-        row, outputs[c] = run_cell(llm, prompts, c, cfg.rounds(c), params)
-        row = {"drafter": None, "system": "plain", "policy": None, "k": None, "label": "plain", **row}
-        row["mean_depth"] = None
-        _log_cell(row)
-        rows.append(row)
-    del llm
-    free_memory()
-    return rows, outputs
+def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from a cell's timed passes: tokens, time and requests summed (``tokens_per_s`` over the
+    sums), the other measurements from the pass with the median throughput, and the passes' throughputs
+    in ``tokens_per_s_passes``."""
+    if len(passes) == 1:
+        return {**passes[0], "tokens_per_s_passes": [passes[0]["tokens_per_s"]]}
+    rates = [p["tokens_per_s"] or 0.0 for p in passes]
+    median = sorted(range(len(passes)), key=lambda i: rates[i])[len(passes) // 2]
+    row = dict(passes[median])
+    for key in ("tokens", "time_s", "num_requests", "rounds"):
+        row[key] = sum(p[key] for p in passes)
+    row["tokens_per_s"] = row["tokens"] / row["time_s"] if row["time_s"] > 0 else None
+    row["tokens_per_s_passes"] = rates
+    return row
+
+
+def _cells(cfg: ConcurrencyConfig) -> list[tuple[str, str, int, dict[str, Any] | None]]:
+    """(system, policy name, k, policy kwargs) of plain decoding and of the drafter's rows, in order."""
+    cells: list[tuple[str, str, int, dict[str, Any] | None]] = [("plain", "plain", 0, None)]
+    cells += [("policy", p, cfg.num_speculative_tokens, cfg.policy_kwargs.get(p)) for p in cfg.policies]
+    cells += [("static", "static", j, {"depth": j}) for j in cfg.static_k]
+    return cells
 
 
 def run_drafter(
     cfg: ConcurrencyConfig,
     drafter: str,
+    plain_llm: Any,
     prompts: list[list[int]],
     device: str,
     warmup: list[int],
     params: Any,
     plain_outputs: dict[int, list[list[int]]],
-) -> list[dict[str, Any]]:
-    """Every policy and static k of one drafter at every concurrency, on one engine."""
+) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]]]:
+    """Every policy and static k of one drafter at every concurrency, on one engine, interleaved with
+    plain decoding on ``plain_llm``: per concurrency, ``cfg.repeats`` passes over plain and the drafter's
+    rows, the order rotated by one each pass. Returns (the drafter's rows, plain's passes per
+    concurrency); each drafter row carries ``plain_tokens_per_s``, plain decoding over the same block."""
     spec = cfg.speculative_config(drafter)
     tree = spec.get("tree") is not None
     llm = _make_llm(cfg, spec, device)
@@ -260,27 +276,49 @@ def run_drafter(
     for name in cfg.policies:  # a policy's one-time work (the engine's step-cost profile) is not timed
         llm.engine.policy = _policy(name, cfg.num_speculative_tokens, tree, cfg.policy_kwargs.get(name))
         llm.engine.prepare_policy()
-    systems: list[tuple[str, str, int, dict[str, Any] | None]] = [
-        ("policy", p, cfg.num_speculative_tokens, cfg.policy_kwargs.get(p)) for p in cfg.policies
-    ]
-    systems += [("static", "static", j, {"depth": j}) for j in cfg.static_k]
-    rows = []
+    cells = _cells(cfg)
+    rows, plain_passes = [], {}
     for c in cfg.concurrency:
-        for system, name, k, kwargs in systems:
-            if system == "policy":
-                policy = DepthRecorder(_policy(name, k, tree, kwargs), k)
-            else:  # a fixed depth j <= the engine's k
-                policy = DepthRecorder(_policy(name, cfg.engine_k, tree, kwargs), cfg.engine_k)
-            llm.engine.policy = policy
-            cell, outputs = run_cell(llm, prompts, c, cfg.rounds(c), params)
+        passes: list[list[dict[str, Any]]] = [[] for _ in cells]
+        for rep in range(cfg.repeats):
+            for i in [(rep + j) % len(cells) for j in range(len(cells))]:
+                system, name, k, kwargs = cells[i]
+                if system == "plain":
+                    cell, outputs = run_cell(plain_llm, prompts, c, cfg.rounds(c), params)
+                    plain_outputs.setdefault(c, outputs)
+                    passes[i].append(cell)
+                    continue
+                # a policy with its own k; a fixed depth j <= the engine's k through the static policy
+                kk = k if system == "policy" else cfg.engine_k
+                policy = DepthRecorder(_policy(name, kk, tree, kwargs), kk)
+                llm.engine.policy = policy
+                cell, outputs = run_cell(llm, prompts, c, cfg.rounds(c), params)
+                cell["mean_depth"] = policy.mean_depth
+                cell["greedy_equal"] = outputs == plain_outputs.get(c, outputs)
+                passes[i].append(cell)
+        plain_passes[c] = passes[0]
+        plain_rate = merge_passes(passes[0])["tokens_per_s"]
+        for (system, name, k, _), cell_passes in zip(cells[1:], passes[1:]):
             label = name if system == "policy" else f"static k={k}"
-            row = {"drafter": drafter, "system": system, "policy": name, "k": k, "label": label, **cell}
-            row["mean_depth"] = policy.mean_depth
-            row["greedy_equal"] = outputs == plain_outputs[c]
+            row = {"drafter": drafter, "system": system, "policy": name, "k": k, "label": label}
+            row.update(merge_passes(cell_passes))
+            row["greedy_equal"] = all(p["greedy_equal"] for p in cell_passes)
+            row["plain_tokens_per_s"] = plain_rate
             _log_cell(row)
             rows.append(row)
     del llm
     free_memory()
+    return rows, plain_passes
+
+
+def plain_rows(plain_passes: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One plain row per concurrency, over all its passes (every drafter's blocks)."""
+    rows = []
+    for passes in plain_passes.values():
+        row = {"drafter": None, "system": "plain", "policy": None, "k": None, "label": "plain"}
+        row.update(merge_passes(passes), mean_depth=None, greedy_equal=True)
+        _log_cell(row)
+        rows.append(row)
     return rows
 
 
@@ -288,18 +326,26 @@ def derive(rows: list[dict[str, Any]], drafters: Sequence[str]) -> list[dict[str
     """Fill ``speedup`` (over plain at the same concurrency), the oracle columns and ``meets_targets``
     into the rows; return the oracle per (drafter, concurrency)."""
     plain = {r["concurrency"]: r for r in rows if r["system"] == "plain"}
-    for r in rows:
+
+    def plain_rate(r: dict[str, Any]) -> float | None:  # plain decoding over the row's own block
         base = plain.get(r["concurrency"])
-        if r is base:
+        return r.get("plain_tokens_per_s") or (base["tokens_per_s"] if base is not None else None)
+
+    for r in rows:
+        rate = plain_rate(r)
+        if r["system"] == "plain":
             r["speedup"] = 1.0
-        elif base is not None and base["tokens_per_s"] and r["tokens_per_s"]:
-            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        elif rate and r["tokens_per_s"]:
+            r["speedup"] = r["tokens_per_s"] / rate
         else:
             r["speedup"] = None
         r.update(oracle_k=None, oracle_tokens_per_s=None, vs_oracle=None, meets_targets=None)
     oracle: list[dict[str, Any]] = []
     for d in drafters:
-        for c, base in plain.items():
+        for c, pooled in plain.items():
+            mine = [r for r in rows if r["drafter"] == d and r["concurrency"] == c]
+            block = next((r.get("plain_tokens_per_s") for r in mine if r.get("plain_tokens_per_s")), None)
+            base = {**pooled, "tokens_per_s": block or pooled["tokens_per_s"], "speedup": 1.0}
             candidates = [base] + [
                 r for r in rows if r["drafter"] == d and r["system"] == "static" and r["concurrency"] == c
             ]
@@ -463,11 +509,19 @@ def run_concurrency(
         prompts, _ids, _cats, warmup = load_token_ids(cfg.model.name, cfg.dataset, prompt_ids)
         warmup = warmup or prompts[0][:8]
         params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
-        rows, plain_outputs = run_plain(cfg, prompts, device, warmup, params)
-        for r in rows:
-            r["greedy_equal"] = True
+        plain_llm = _make_llm(cfg, None, device)
+        warm_up(plain_llm, warmup)
+        rows, plain_outputs, plain_passes = [], {}, {}
         for drafter in cfg.drafters:
-            rows += run_drafter(cfg, drafter, prompts, device, warmup, params, plain_outputs)
+            drafter_rows, passes = run_drafter(
+                cfg, drafter, plain_llm, prompts, device, warmup, params, plain_outputs
+            )
+            rows += drafter_rows
+            for c, p in passes.items():
+                plain_passes.setdefault(c, []).extend(p)
+        del plain_llm
+        free_memory()
+        rows = plain_rows(plain_passes) + rows
         order: dict[str | None, int] = {None: -1, **{d: i for i, d in enumerate(cfg.drafters)}}
         rows.sort(key=lambda r: (r["concurrency"], order[r["drafter"]]))  # stable: policies, then static k
         oracle = derive(rows, cfg.drafters)

@@ -727,6 +727,8 @@ class ConcurrencyConfig:
             of your own.
         plots: write ``plots/speedup_vs_concurrency.{png,svg}``.
         seed: engine seed and ``torch.manual_seed``.
+        repeats: timed passes of every cell (>= 1), interleaved: per drafter and concurrency, plain
+            decoding and the drafter's rows run in turn, the order rotated each pass.
     """
 
     model: ModelConfig = MISSING
@@ -750,6 +752,7 @@ class ConcurrencyConfig:
     import_modules: list[str] = field(default_factory=list)
     plots: bool = True
     seed: int = 0
+    repeats: int = 1
 
     @property
     def engine_k(self) -> int:
@@ -1343,7 +1346,7 @@ def validate_concurrency_config(cfg: ConcurrencyConfig) -> None:
         raise ValueError(
             f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"
         )
-    for key in ("max_tokens", "min_requests"):
+    for key in ("max_tokens", "min_requests", "repeats"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
     for key, given, listed, allowed in (

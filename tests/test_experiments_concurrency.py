@@ -78,6 +78,7 @@ def test_concurrency_defaults(hydra_conf):
         (["static_k=[-1]"], r"static_k must list integers in \[0, 16\]"),
         (["num_speculative_tokens=0"], r"num_speculative_tokens must be an integer in \[1, 16\]"),
         (["min_requests=0"], r"min_requests must be >= 1"),
+        (["repeats=0"], r"repeats must be >= 1"),
         (["+policy_kwargs.batch_size.schedule=[[2,9]]"], r"policy_kwargs.batch_size: batch_size policy"),
         (["+policy_kwargs.ucb.c=1"], r"policy_kwargs has \['ucb'\], which policies does not list"),
         (["+drafter_options.ngram.tree=static"], r"drafters \(ngram\): tree='static' needs method 'medusa'"),
@@ -130,6 +131,26 @@ def _row(drafter, system, label, c, tps, k=None):
         "concurrency": c,
         "tokens_per_s": tps,
     }
+
+
+def test_passes_merge_and_speedups_use_the_blocks_plain():
+    from experiments.concurrency import derive, merge_passes
+
+    a = {"concurrency": 1, "tokens": 100, "time_s": 1.0, "num_requests": 1, "rounds": 1}
+    a.update(tokens_per_s=100.0, tau=1.5)
+    b = {**a, "time_s": 4.0, "tokens_per_s": 25.0, "tau": 2.0}
+    c = {**a, "time_s": 2.0, "tokens_per_s": 50.0, "tau": 3.0}
+    row = merge_passes([a, b, c])
+    assert row["tokens"] == 300 and row["time_s"] == 7.0 and row["rounds"] == 3
+    assert row["tokens_per_s"] == pytest.approx(300 / 7) and row["tokens_per_s_passes"] == [100.0, 25.0, 50.0]
+    assert row["tau"] == 3.0  # the other measurements: from the median pass
+    rows = [_row(None, "plain", "plain", 1, 40.0), _row("ngram", "policy", "goodput", 1, 30.0)]
+    rows.append(_row("ngram", "static", "static k=1", 1, 33.0, k=1))
+    for r in rows[1:]:
+        r["plain_tokens_per_s"] = 30.0  # the machine was slower during the drafter's block
+    (oracle,) = derive(rows, ["ngram"])
+    assert rows[1]["speedup"] == pytest.approx(1.0) and rows[2]["speedup"] == pytest.approx(1.1)
+    assert oracle["k"] == 1 and rows[1]["vs_oracle"] == pytest.approx(30 / 33)
 
 
 def test_derive_oracle_and_targets():
@@ -187,6 +208,7 @@ def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu
         "engine=cpu",
         "engine.dtype=float32",
         "engine.torch_threads=1",
+        "repeats=2",
     )
     assert cfg.engine_k == 3
     result = run_concurrency(cfg, out_dir=tmp_path)
@@ -196,7 +218,9 @@ def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu
     assert len(cells) == len(rows)
     for r in rows:
         c = r["concurrency"]
-        assert r["rounds"] == math.ceil(3 / c) and r["num_requests"] == r["rounds"] * c
+        passes = 2 * (len(drafters) if r["system"] == "plain" else 1)  # plain: beside every drafter
+        assert len(r["tokens_per_s_passes"]) == passes
+        assert r["rounds"] == passes * math.ceil(3 / c) and r["num_requests"] == r["rounds"] * c
         assert r["tokens"] == 8 * r["num_requests"] and r["tokens_per_s"] > 0
         assert 0 < r["tpot_p50_ms"] <= r["tpot_p99_ms"] and r["ttft_p50_ms"] > 0
         # float32 greedy: speculation is exact, whatever the policy, depth or batch
@@ -205,7 +229,9 @@ def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu
         if r["system"] == "plain":
             assert r["speedup"] == 1.0 and r["tau"] is None and r["draft_share"] is None
             continue
-        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+        # over plain decoding measured in the same block (interleaved with the drafter's rows)
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["plain_tokens_per_s"])
+        assert r["plain_tokens_per_s"] > 0 and plain["tokens_per_s"] > 0
         assert 0 <= r["draft_share"] < 1 and 0 < r["verify_share"] < 1
         assert r["draft_share"] + r["verify_share"] < 1
         cap = cfg.num_speculative_tokens if r["system"] == "policy" else r["k"]
@@ -220,7 +246,8 @@ def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu
     for o in result["oracle"]:
         d, c = o["drafter"], o["concurrency"]
         static = [cells[(d, f"static k={j}", c)] for j in static_k]
-        best = max([cells[(None, "plain", c)], *static], key=lambda r: r["tokens_per_s"])
+        block = {"tokens_per_s": static[0]["plain_tokens_per_s"]}  # plain, in this drafter's block
+        best = max([block, *static], key=lambda r: r["tokens_per_s"])
         assert o["tokens_per_s"] == best["tokens_per_s"] and o["speedup"] >= 1.0
         assert all(r["vs_oracle"] <= 1.0 for r in static)
         if o["system"] == "static":
@@ -235,7 +262,8 @@ def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu
     assert saved["git"] and saved["versions"]["torch"] and saved["config"]["policies"] == policies
     table = (tmp_path / "concurrency.md").read_text()
     assert table == result["table"]
-    assert "| ngram | goodput | 2 | 4 |" in table and "| – | plain | 4 | 4 |" in table
+    # requests per row: rounds × passes (plain: 2 passes beside each of the 2 drafters)
+    assert "| ngram | goodput | 2 | 8 |" in table and "| – | plain | 4 | 16 |" in table
     assert "| draft_model | 1 |" in table and "goodput: " in table
     for name in (
         "config.yaml",

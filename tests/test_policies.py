@@ -183,6 +183,24 @@ def test_cost_model_corrects_untried_counts_by_the_observed_ratio():
     assert frozen.target_s(1) == 0.02
 
 
+def test_prompt_chunks_do_not_make_untried_decode_counts_look_cheap():
+    from specdec.policies.cost_model import StepCostModel
+
+    model = StepCostModel(step_s={1: 0.02, 8: 0.04, 512: 0.5})
+    for _ in range(50):
+        model.observe(8, 0.08, 0, 0.0)  # decode steps: twice the profile (attention over long contexts)
+        model.observe(512, 0.5, 0, 0.0, prefill=True)  # prompt chunks: what the profile said
+    assert model.target_s(16) == pytest.approx(2 * model.base_s(16))  # from the decode steps alone
+    assert model.target_s(16, prefill=True) == pytest.approx(model.base_s(16))
+    assert model.target_s(512, prefill=True) == pytest.approx(0.5)
+    # Through the engine: a step with a prompt chunk is reported as one.
+    from specdec.policies import StepObservation
+
+    policy = build_policy("goodput", PolicyContext(4), {"step_s": {1: 0.02, 8: 0.04}})
+    policy.observe_step(StepObservation(300, 0.3, 0.0, 0, prefill=True))
+    assert policy.costs.target_s(8) == pytest.approx(0.04)  # decode counts untouched
+
+
 def test_goodput_config_errors():
     for kwargs, match in [
         ({"prior_acceptance": 1.5}, "prior_acceptance"),

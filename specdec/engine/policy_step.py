@@ -92,6 +92,7 @@ def observe_policy(
         max_depth=max((d for d, _ in per_request), default=0),
         per_request=tuple(per_request),
         num_committed=sum(len(r.token_ids) for r in results),
+        prefill=any(s.num_new_tokens > 1 or not s.sample for s in scheduled),
     )
     try:
         observe(step)

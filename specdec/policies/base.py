@@ -71,6 +71,8 @@ class StepObservation:
             accepted path's length).
         num_committed: tokens the step committed over all its requests (accepted drafts plus one bonus or
             recovered token per sampling request).
+        prefill: the step held prompt chunks (a request computing more than its last committed token, or
+            not sampling).
     """
 
     num_tokens: int
@@ -79,6 +81,7 @@ class StepObservation:
     max_depth: int
     per_request: tuple[tuple[int, int], ...] = ()
     num_committed: int = 0
+    prefill: bool = False
 
 
 @runtime_checkable

@@ -9,7 +9,10 @@ token). Observed steps correct the curve multiplicatively: a running mean of obs
 token count, used for that count, and one over all counts, used for the counts not observed yet. So a
 count the policy never plays is predicted from the same correction as the ones it plays (the profile
 times the forward alone; a real step adds verification, commit and attention over long contexts),
-rather than from the raw profile, which would make untried counts look cheap.
+rather than from the raw profile, which would make untried counts look cheap. Steps with prefill
+chunks keep corrections of their own: the profile runs from position 0, so a prompt chunk costs about
+what was profiled, while a decode step also attends over its whole context; mixed into one correction,
+prompt chunks would make the untried decode counts look cheap again.
 Drafting costs
 ``draft_s_per_position`` seconds per draft position of the step (sequential draft steps: a draft model
 or head drafts all requests' position d together), a running mean of observed drafting time divided by
@@ -59,9 +62,11 @@ class StepCostModel:
                 raise ConfigError(f"step_s entries must be num_tokens >= 1: seconds > 0, got {n!r}: {s!r}")
             clean[n] = float(s)
         self.step_s = clean
-        self._ratio: dict[int, float] = {}  # observed / base, running mean per token count
-        self._scale = 1.0  # observed / base over all counts (1 until a step is observed)
-        self._num_observed = 0
+        # observed / base: running means per token count, and over all counts (1 until observed); index 0
+        # for decode / verification steps, 1 for steps with prefill chunks.
+        self._ratio: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        self._scale = [1.0, 1.0]
+        self._num_observed = [0, 0]
         for name in ("draft_s_per_position", "prior_slope"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < math.inf:
@@ -76,7 +81,7 @@ class StepCostModel:
             ConfigError: as the constructor, for bad entries.
         """
         self.step_s = StepCostModel(step_s=dict(step_s)).step_s
-        self._ratio, self._scale, self._num_observed = {}, 1.0, 0
+        self._ratio, self._scale, self._num_observed = ({}, {}), [1.0, 1.0], [0, 0]
 
     def base_s(self, num_tokens: int) -> float:
         """The base curve at ``num_tokens`` (before the observed correction)."""
@@ -95,23 +100,30 @@ class StepCostModel:
         base = self.step_s[ref] / (1 + self.prior_slope * (ref - 1))
         return base * (1 + self.prior_slope * (num_tokens - 1))
 
-    def target_s(self, num_tokens: int) -> float:
-        """Predicted seconds of a target step over ``num_tokens`` batched tokens."""
-        return self.base_s(num_tokens) * self._ratio.get(num_tokens, self._scale)
+    def target_s(self, num_tokens: int, prefill: bool = False) -> float:
+        """Predicted seconds of a target step over ``num_tokens`` batched tokens (``prefill``: the step
+        holds prompt chunks)."""
+        kind = int(prefill)
+        return self.base_s(num_tokens) * self._ratio[kind].get(num_tokens, self._scale[kind])
 
     def draft_s(self, depth: int) -> float:
         """Predicted drafting seconds of a step whose deepest draft is ``depth``."""
         return self.draft_s_per_position * depth
 
-    def observe(self, num_tokens: int, target_s: float, depth: int, draft_s: float) -> None:
-        """Fold one step's measured times in (ignored when frozen)."""
+    def observe(
+        self, num_tokens: int, target_s: float, depth: int, draft_s: float, prefill: bool = False
+    ) -> None:
+        """Fold one step's measured times in (ignored when frozen); ``prefill``: the step held prompt
+        chunks (corrected apart from decode steps)."""
         if self.frozen or not (0 < target_s < math.inf) or num_tokens < 1:
             return
+        kind = int(prefill)
         r = target_s / self.base_s(num_tokens)
-        old = self._ratio.get(num_tokens)
-        self._ratio[num_tokens] = r if old is None else (1 - self.decay) * old + self.decay * r
-        self._scale = r if self._num_observed == 0 else (1 - self.decay) * self._scale + self.decay * r
-        self._num_observed += 1
+        ratio, old = self._ratio[kind], self._ratio[kind].get(num_tokens)
+        ratio[num_tokens] = r if old is None else (1 - self.decay) * old + self.decay * r
+        first = self._num_observed[kind] == 0
+        self._scale[kind] = r if first else (1 - self.decay) * self._scale[kind] + self.decay * r
+        self._num_observed[kind] += 1
         if depth > 0 and 0 <= draft_s < math.inf:
             per = draft_s / depth
             self.draft_s_per_position = (1 - self.decay) * self.draft_s_per_position + self.decay * per

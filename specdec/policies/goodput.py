@@ -125,9 +125,11 @@ class GoodputPolicy(PolicyBase):
             out.append(min(q, out[-1]) if out else q)
         return out
 
-    def _rate(self, alphas: list[list[float]], depths: list[int], base_tokens: int, others: int) -> float:
+    def _rate(
+        self, alphas: list[list[float]], depths: list[int], base_tokens: int, others: int, prefill: bool
+    ) -> float:
         tokens = base_tokens + sum(depths)
-        seconds = self.costs.target_s(tokens) + self.costs.draft_s(max(depths, default=0))
+        seconds = self.costs.target_s(tokens, prefill) + self.costs.draft_s(max(depths, default=0))
         return (others + sum(expected_tokens(a, d) for a, d in zip(alphas, depths))) / seconds
 
     def decide(self, batch: list[PolicyInput]) -> list[int]:
@@ -135,10 +137,11 @@ class GoodputPolicy(PolicyBase):
         # The step's tokens without drafts (prefill chunks included; else one per request).
         base = batch[0].num_scheduled_tokens or batch[0].batch_size
         others = batch[0].batch_size - len(batch)  # requests that do not draft: about one token each
-        best, best_rate = [0] * len(batch), self._rate(alphas, [0] * len(batch), base, others)
+        prefill = base > batch[0].batch_size  # prompt chunks in the step
+        best, best_rate = [0] * len(batch), self._rate(alphas, [0] * len(batch), base, others, prefill)
         for k in range(1, self.k + 1):
             depths = [min(k, x.max_drafts) for x in batch]
-            rate = self._rate(alphas, depths, base, others)
+            rate = self._rate(alphas, depths, base, others, prefill)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = depths, rate
         # Then each request's drafts alone, least promising first: dropped where the step does better
@@ -147,7 +150,7 @@ class GoodputPolicy(PolicyBase):
             if best[r] == 0:
                 continue
             trial = best[:r] + [0] + best[r + 1 :]
-            rate = self._rate(alphas, trial, base, others)
+            rate = self._rate(alphas, trial, base, others, prefill)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = trial, rate
         if self.explore_every:
@@ -174,7 +177,7 @@ class GoodputPolicy(PolicyBase):
 
     def observe_step(self, step: StepObservation) -> None:
         """Fold a step's times and acceptance into the cost model and the population prior."""
-        self.costs.observe(step.num_tokens, step.target_s, step.max_depth, step.draft_s)
+        self.costs.observe(step.num_tokens, step.target_s, step.max_depth, step.draft_s, step.prefill)
         for drafted, accepted in step.per_request:
             for j in range(min(drafted, self.k)):
                 self._drafted[j] += 1

@@ -6,7 +6,8 @@ Here the arms are the depths ``0 .. k`` (``arms`` to restrict them; 0 is plain d
 step for the whole batch (each request capped by its own limit), with separate statistics per batch-size
 bucket (1, 2-3, 4-7, ...: the best depth changes with load). A step's reward is the tokens it committed
 over its seconds (target forward, verification and drafting), divided by the best reward seen in the
-bucket so that rewards lie in [0, 1]. Statistics are discounted (``discount`` per step of the bucket;
+bucket so that rewards lie in [0, 1]; steps with prompt chunks are not credited (their time is the
+prompt's). Statistics are discounted (``discount`` per step of the bucket;
 Garivier and Moulines 2011) so that the policy follows the workload as requests come and go. Arms are
 first played once each, in order; then the arm with the largest ``mean + exploration * sqrt(2 ln N / n)``.
 
@@ -117,12 +118,15 @@ class UCBPolicy(PolicyBase):
         return [min(depth, x.max_drafts) for x in batch]
 
     def observe_step(self, step: StepObservation) -> None:
-        """Credit the step's reward to the arm its decision played (steps without one are skipped)."""
+        """Credit the step's reward to the arm its decision played. Skipped: steps without a decision, and
+        steps with prompt chunks (their seconds are the prompt's, whatever the arm)."""
         if self._pending is None:
             return
         (bucket, arm), self._pending = self._pending, None
+        if step.prefill:
+            return
         if self.costs.frozen:
-            seconds = self.costs.target_s(step.num_tokens) + self.costs.draft_s(step.max_depth)
+            seconds = self.costs.target_s(step.num_tokens, step.prefill) + self.costs.draft_s(step.max_depth)
         else:
             seconds = step.target_s + step.draft_s
         if not 0 < seconds < math.inf:
