@@ -64,9 +64,10 @@ engine reserves KV slots and batch budget for its largest k (``max(num_speculati
 whatever depth a policy chooses, as one serving engine would; a static k = j row is therefore not an
 engine built with k = j. Policies that learn (goodput) start afresh in every cell; a policy's one-time
 start-up work (the engine's step-cost profile for goodput and ucb, once per engine or loaded from
-``~/.cache/specdec/step_costs.json``) runs untimed, before the cells (``engine.prepare_policy``). On a
-2-core CPU the defaults (6 concurrencies, 32 requests × 128 tokens per cell, 7 rows per concurrency)
-take about an hour; ``concurrency=[1,4,16] min_requests=16 max_tokens=64`` about a tenth of that.
+the step-cost cache, :mod:`specdec.engine.cost_profile`) runs untimed, before the cells
+(``engine.prepare_policy``). On a 2-core CPU the defaults (6 concurrencies, 32 requests × 128 tokens per
+cell, 8 rows per concurrency with plain) take about an hour per drafter and pass;
+``concurrency=[1,4,16] min_requests=16 max_tokens=64`` about a tenth of that.
 """
 
 from __future__ import annotations

@@ -10,17 +10,18 @@ import torch
 
 @pytest.fixture(scope="session", autouse=True)
 def _step_cost_cache(tmp_path_factory):
-    """The engine's step-cost cache (:mod:`specdec.engine.cost_profile`) in a folder of this test session:
-    tests neither read a developer's cached costs nor write to ``~/.cache``."""
+    """The engine's step-cost cache (:mod:`specdec.engine.cost_profile`) in a file of this test session:
+    tests neither read a developer's cached costs nor write them. (Only that file: the zoo's converted
+    models stay in their cache, converting them again costs minutes.)"""
     import os
 
-    old = os.environ.get("SPECDEC_CACHE_DIR")
-    os.environ["SPECDEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("specdec_cache"))
+    old = os.environ.get("SPECDEC_STEP_COSTS")
+    os.environ["SPECDEC_STEP_COSTS"] = str(tmp_path_factory.mktemp("step_costs") / "step_costs.json")
     yield
     if old is None:
-        os.environ.pop("SPECDEC_CACHE_DIR", None)
+        os.environ.pop("SPECDEC_STEP_COSTS", None)
     else:
-        os.environ["SPECDEC_CACHE_DIR"] = old
+        os.environ["SPECDEC_STEP_COSTS"] = old
 
 
 TINY_CONFIGS = {

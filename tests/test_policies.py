@@ -260,7 +260,7 @@ def test_step_costs_are_profiled_once_cached_and_keyed(setup, monkeypatch, tmp_p
 
     from specdec.engine import cost_profile
 
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECDEC_STEP_COSTS", str(tmp_path / "step_costs.json"))
     spec = _spec(setup, "ngram", "goodput", k=3)
     llm = LLM(setup["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec)
     engine = llm.engine
@@ -287,12 +287,16 @@ def test_step_costs_are_profiled_once_cached_and_keyed(setup, monkeypatch, tmp_p
         assert cost_profile.cost_key(engine)[0] != key
     finally:
         torch.set_num_threads(threads)
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", "off")
+    monkeypatch.setenv("SPECDEC_STEP_COSTS", "off")
     assert cost_profile.cache_path() is None
+    monkeypatch.delenv("SPECDEC_STEP_COSTS")  # default: beside the zoo's converted models
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "zoo"))
+    assert cost_profile.cache_path() == tmp_path / "zoo" / "step_costs.json"
 
 
 def test_frozen_profiled_goodput_repeats_across_engines(setup, monkeypatch, tmp_path):
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))  # the first engine profiles, the second loads
+    # the first engine profiles, the second loads
+    monkeypatch.setenv("SPECDEC_STEP_COSTS", str(tmp_path / "step_costs.json"))
     spec = _spec(setup, "draft_model", "goodput", k=3, policy_kwargs={"frozen": True})
     runs = []
     for _ in range(2):

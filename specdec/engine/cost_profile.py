@@ -14,11 +14,12 @@ warm-up forward (a compiled bucket compiles here), then the median of ``repeats`
 the weight-bound part of a step (contexts are short); attention over long contexts, sampling and
 verification are learned from observed steps by the policies' cost model (unless frozen).
 
-Cache: ``$SPECDEC_CACHE_DIR/step_costs.json`` (default ``~/.cache/specdec``), one entry per key: a
+Cache: ``$SPECDEC_STEP_COSTS`` if set (a JSON file; ``off`` disables the cache), else ``step_costs.json``
+in the zoo's cache folder (``$SPECDEC_CACHE_DIR``, default ``~/.cache/specdec``), one entry per key: a
 SHA-256 over the model config, dtype, device (and the CPU model or GPU name), torch version, intra-op
 threads, the compiled buckets and backend (or eager), KV cache dtype and attention backend. A second
 engine with the same key loads the costs instead of profiling (so a frozen policy's decisions repeat
-across processes on that machine). ``SPECDEC_CACHE_DIR=off`` disables the cache.
+across processes on that machine).
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ REPEATS = 3
 
 
 def cache_path() -> Path | None:
-    """``$SPECDEC_CACHE_DIR/step_costs.json`` (default ``~/.cache/specdec``); None when the variable is
-    ``off``."""
-    root = os.environ.get("SPECDEC_CACHE_DIR")
-    if root is not None and root.lower() in ("off", "0", "none", ""):
+    """``$SPECDEC_STEP_COSTS`` (a file), else ``step_costs.json`` in the zoo's cache folder
+    (:func:`specdec.zoo.cache_dir`); None when ``SPECDEC_STEP_COSTS`` is ``off``."""
+    from specdec.zoo import cache_dir
+
+    path = os.environ.get("SPECDEC_STEP_COSTS")
+    if path is not None and path.lower() in ("off", "0", "none"):
         return None
-    return Path(root or Path.home() / ".cache" / "specdec") / "step_costs.json"
+    return Path(path) if path else cache_dir() / "step_costs.json"
 
 
 def _device_name(device: torch.device) -> str:
