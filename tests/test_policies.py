@@ -237,13 +237,17 @@ def test_frozen_goodput_repeats_seeded_runs_exactly(setup):
 
 
 def test_goodput_explores_a_request_whose_estimate_sank():
-    dear = {"step_s": [[1, 0.010], [2, 0.015], [64, 0.5]], "frozen": True, "explore_every": 8}
+    dear = {"step_s": [[1, 0.010], [2, 0.012], [64, 0.5]], "frozen": True, "explore_every": 8}
     hopeless = _stats([0, 0, 0, 0], [100, 100, 100, 100])
     policy = build_policy("goodput", PolicyContext(4), dear)
     answers = [policy.decide(_inputs([hopeless], out=n))[0] for n in range(20)]
     assert answers == [0] * 8 + [1] + [0] * 7 + [1] + [0] * 3  # one probe per 8 of its tokens
     never = build_policy("goodput", PolicyContext(4), {**dear, "explore_every": 0})
     assert [never.decide(_inputs([hopeless], out=n))[0] for n in range(20)] == [0] * 20
+    # No probe where even the hoped-for acceptance cannot pay for the token (a step of 2 tokens costs 2).
+    steep = {**dear, "step_s": [[1, 0.010], [2, 0.020], [64, 0.64]]}
+    policy = build_policy("goodput", PolicyContext(4), steep)
+    assert [policy.decide(_inputs([hopeless], out=n))[0] for n in range(20)] == [0] * 20
 
 
 def test_goodput_history_is_bounded():

@@ -154,22 +154,50 @@ class GoodputPolicy(PolicyBase):
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = trial, rate
         if self.explore_every:
-            best = self._explore(batch, best)
+            best = self._explore(batch, best, alphas, base, others, prefill)
         self.history.append((batch[0].batch_size, max(best, default=0)))
         return best
 
-    def _explore(self, batch: list[PolicyInput], depths: list[int]) -> list[int]:
+    def _hope(self) -> list[float]:
+        """The acceptance a probe hopes to find: per position the better of the population's figure and
+        the prior (``q_1 .. q_k``, non-increasing)."""
+        out: list[float] = []
+        for j in range(self.k):
+            prior = self.prior_acceptance ** (j + 1)
+            q = max(prior, self._shrunk(self._accepted[j], self._drafted[j], prior))
+            out.append(min(q, out[-1]) if out else q)
+        return out
+
+    def _explore(
+        self,
+        batch: list[PolicyInput],
+        depths: list[int],
+        alphas: list[list[float]],
+        base: int,
+        others: int,
+        prefill: bool,
+    ) -> list[int]:
         """A request that has not drafted for ``explore_every`` of its tokens drafts one token (its
-        estimate sank, perhaps on a stretch of text the drafter cannot predict: a probe lets it recover).
-        A function of the token history alone, so deterministic."""
+        estimate sank, perhaps on a stretch of text the drafter cannot predict: a probe lets it recover),
+        if the step would gain from that token at the acceptance it hopes for (:meth:`_hope`); where the
+        step's cost forbids drafting whatever the acceptance (a large batch on a compute-bound machine),
+        probes would only cost. A function of the token history and the costs, so deterministic when
+        frozen."""
         out = list(depths)
+        hope: list[float] | None = None
         for i, x in enumerate(batch):
             rid, n = x.request.request_id, x.request.num_output_tokens
             last = self._last_draft.get(rid)
             if last is None or out[i] > 0:
                 self._last_draft[rid] = n
             elif n - last >= self.explore_every:
-                out[i], self._last_draft[rid] = 1, n
+                hope = hope or self._hope()
+                trial = out[:i] + [1] + out[i + 1 :]
+                hoped = alphas[:i] + [hope] + alphas[i + 1 :]
+                if self._rate(hoped, trial, base, others, prefill) > self._rate(
+                    hoped, out, base, others, prefill
+                ):
+                    out[i], self._last_draft[rid] = 1, n
             self._last_draft.move_to_end(rid)
         while len(self._last_draft) > HISTORY:
             self._last_draft.popitem(last=False)
