@@ -17,7 +17,8 @@ the cache, :mod:`specdec.engine.cost_profile`, refreshed from observed steps; or
 then, least promising first, drops a request's drafts wherever the step's rate is higher without them.
 ``k = 0`` (plain decoding) is always a candidate, so under a
 cost model that matches the machine speculation never loses on expectation. Exploration: a request that
-drafted nothing for ``explore_every`` of its tokens drafts one (its estimate can then recover).
+drafted nothing for ``explore_every`` of its tokens drafts one (its estimate can then recover), where
+that token would pay at the acceptance hoped for (the better of the population's figure and the prior).
 
 Exact: the depth is decided from committed history and costs before the step's drafts exist. With
 ``frozen=True`` the costs are fixed (given as ``step_s``, or the profiled / cached ones) and decisions
@@ -55,8 +56,9 @@ class GoodputPolicy(PolicyBase):
         ctx: the engine's policy context.
         prior_acceptance: acceptance per position assumed before anything is observed (0..1).
         prior_weight: pseudo-steps of the prior in each request's estimate (>= 0).
-        explore_every: a request that drafted nothing for this many of its tokens drafts one token (0:
-            never). Without it a request whose estimate sank to 0 would never draft again.
+        explore_every: a request that drafted nothing for this many of its tokens drafts one token where
+            it would pay at the hoped-for acceptance (0: never). Without it a request whose estimate
+            sank to 0 would never draft again.
         step_s, draft_s_per_position, prior_slope, frozen: :class:`StepCostModel`'s fields (``step_s``
             as ``{num_tokens: seconds}`` or ``[[num_tokens, seconds], ...]``).
         profile: when ``step_s`` is not given, start from the target's step costs the engine profiles
