@@ -17,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ import torch
 logger = logging.getLogger("kernels.cpu_ext")
 
 _CSRC = Path(__file__).parent / "csrc"
+
+#: A build lock older than this (seconds) was left by a killed build (a build takes 1-2 minutes here).
+STALE_LOCK_S = 600.0
 
 
 def _cpu_flags() -> str:
@@ -41,6 +45,23 @@ def _sources() -> list[Path]:
     return sorted(_CSRC.glob("*.cpp"))
 
 
+def clear_stale_lock(name: str) -> bool:
+    """Remove the build lock of extension ``name`` when it is older than :data:`STALE_LOCK_S`: torch's
+    builder waits forever on a lock left by a build that was killed (Ctrl-C during the first build).
+    Returns whether a lock was removed."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing the stale build lock %s (left by a killed build)", lock)
+            lock.unlink(missing_ok=True)
+            return True
+    except Exception:  # torch's private helper moved: nothing to clear
+        pass
+    return False
+
+
 @functools.cache
 def load_extension() -> Any | None:
     """The built module (functions ``gemv``, ``paged_attention_short``, ``write_kv``, ``has_avx2``), or None
@@ -52,15 +73,19 @@ def load_extension() -> Any | None:
         text = "".join(p.read_text() for p in sorted(_CSRC.iterdir()) if p.is_file())
         key = hashlib.sha256((text + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
         logger.info("loading the CPU kernels (built once per machine, about a minute on 2 cores)")
+        name = f"specdec_cpu_kernels_{key}"
+        clear_stale_lock(name)
         return load(
-            f"specdec_cpu_kernels_{key}",
+            name,
             sources=[str(p) for p in sources],
             extra_include_paths=[str(_CSRC)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # no compiler, no ninja, an unsupported CPU: the references serve
-        logger.warning("the CPU kernels did not build (%s: %s); using the torch references", type(e).__name__, e)
+        logger.warning(
+            "the CPU kernels did not build (%s: %s); using the torch references", type(e).__name__, e
+        )
         return None
 
 

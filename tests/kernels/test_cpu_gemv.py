@@ -8,6 +8,8 @@ then the dispatch rules and the op under ``torch.compile``. Skipped where the ke
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,3 +103,21 @@ def test_engine_tokens_unchanged_by_the_kernel(name, tiny_model_dirs, monkeypatc
         for a, b in zip(got.logprobs, want.logprobs):
             for t in a.keys() & b.keys():
                 assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    # torch's extension builder waits forever on a lock left by a killed build (seen in CI here).
+    import os
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from kernels.cpu_ext import STALE_LOCK_S, clear_stale_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = Path(_get_build_directory("specdec_lock_test", verbose=False)) / "lock"
+    lock.write_text("")
+    assert not clear_stale_lock("specdec_lock_test") and lock.exists()  # a build may be running
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert clear_stale_lock("specdec_lock_test") and not lock.exists()
