@@ -463,6 +463,8 @@ class EngineConfig:
         compile_buckets: token buckets of the compiled forward (None: the library's default).
         adaptive_threads: on the CPU, use only the cores other processes leave free (``specdec.LLM``'s
             ``cpu_threads="auto"``, at most ``torch_threads``); False: a fixed count.
+        grammar_backend: what compiles the ``grammar`` group's constraints: ``auto``, ``llguidance``
+            or ``outlines`` (``specdec.LLM``'s ``grammar_backend``; :mod:`grammars.registry`).
     """
 
     dtype: Dtype | None = None
@@ -482,6 +484,7 @@ class EngineConfig:
     compile: bool = False
     compile_buckets: list[int] | None = None
     adaptive_threads: bool = True
+    grammar_backend: str = "auto"
 
     def compile_arg(self) -> dict[str, Any] | bool:
         """``specdec.LLM``'s ``compile`` argument."""
@@ -516,6 +519,7 @@ class EngineConfig:
             "kv_cache_dtype": self.kv_cache_dtype,
             "compile": self.compile_arg(),
             "cpu_threads": "auto" if self.adaptive_threads else None,
+            "grammar_backend": self.grammar_backend,
         }
 
 
@@ -1038,6 +1042,7 @@ def _check_engine(e: EngineConfig) -> None:
     """The engine's values, checked by the library's own configs (``CacheConfig``, ``SchedulerConfig``,
     ``QuantizationConfig``, ``resolve_dtype``); the device is only parsed (it is picked on the machine
     that runs the job, see :func:`experiments.tracking.pick_device`)."""
+    from grammars.registry import check_grammar_backend
     from specdec.config import CacheConfig, CompilationConfig, SchedulerConfig, resolve_dtype
     from specdec.quantization.config import QuantizationConfig
 
@@ -1048,6 +1053,7 @@ def _check_engine(e: EngineConfig) -> None:
         SchedulerConfig(e.max_num_batched_tokens, e.max_num_seqs, e.max_model_len)
         QuantizationConfig.from_any(e.quantization_arg())
         CompilationConfig.from_any(e.compile_arg())
+        check_grammar_backend(e.grammar_backend)
         if e.dtype is not None:
             resolve_dtype(e.dtype.value)
     except ValueError as err:

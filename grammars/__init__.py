@@ -1,8 +1,10 @@
-"""Constrained decoding: grammar Protocol, outlines-core backend, token bitmasks (see issue 5).
+"""Constrained decoding: grammar Protocol, backends (llguidance, outlines-core, "auto"), token bitmasks.
 
 A request's output can be constrained to a JSON schema, a regular expression or a list of choices
-(:class:`GrammarSpec`). A :class:`GrammarBackend` (here :class:`OutlinesBackend`, on outlines-core's
-token index; Willard & Louf 2023) compiles a spec once into a shared :class:`CompiledGrammar`; each
+(:class:`GrammarSpec`). A :class:`GrammarBackend` (:class:`LLGuidanceBackend`, llguidance's Earley
+parser; :class:`OutlinesBackend`, outlines-core's token index, Willard & Louf 2023; :class:`AutoBackend`,
+per spec the one that enforces the most; by name with :func:`make_grammar_backend`) compiles a spec
+once into a shared :class:`CompiledGrammar`; each
 request drives its own :class:`Grammar` matcher, which writes the allowed tokens of its state into a
 packed int32 bitmask row (:mod:`grammars.bitmask`) and accepts, validates and rolls back tokens so that
 speculative drafts can be masked position by position::
@@ -17,7 +19,9 @@ speculative drafts can be masked position by position::
 
 Modules, one concept each: :mod:`~grammars.base` (spec and Protocols), :mod:`~grammars.bitmask`
 (packing and the reference masking), :mod:`~grammars.vocabulary` (tokenizer -> token bytes,
-fingerprint), :mod:`~grammars.outlines_backend` (the backend), :mod:`~grammars.cache` (compile cache),
+fingerprint), :mod:`~grammars.registry` (backends by name), :mod:`~grammars.auto_backend`,
+:mod:`~grammars.llguidance_backend`, :mod:`~grammars.outlines_backend` (the backends),
+:mod:`~grammars.pool` (compilation off the engine thread), :mod:`~grammars.cache` (compile cache),
 :mod:`~grammars.schema` (what outlines-core ignores in a JSON schema; instance validation),
 :mod:`~grammars.errors`.
 
@@ -32,6 +36,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from grammars.auto_backend import AutoBackend
     from grammars.base import CompiledGrammar, Grammar, GrammarBackend, GrammarSpec
     from grammars.bitmask import (
         allocate_token_bitmask,
@@ -52,6 +57,7 @@ if TYPE_CHECKING:
         GrammarTooLargeError,
         UnsupportedSchemaError,
     )
+    from grammars.llguidance_backend import LLGuidanceBackend
     from grammars.outlines_backend import (
         DEFAULT_WHITESPACE_PATTERN,
         OutlinesBackend,
@@ -59,6 +65,7 @@ if TYPE_CHECKING:
         OutlinesGrammar,
         spec_to_regex,
     )
+    from grammars.registry import GRAMMAR_BACKENDS, make_grammar_backend
     from grammars.schema import (
         IGNORED_KEYWORDS,
         SchemaFinding,
@@ -77,6 +84,10 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "AutoBackend": "grammars.auto_backend",
+    "LLGuidanceBackend": "grammars.llguidance_backend",
+    "GRAMMAR_BACKENDS": "grammars.registry",
+    "make_grammar_backend": "grammars.registry",
     "CompiledGrammar": "grammars.base",
     "Grammar": "grammars.base",
     "GrammarBackend": "grammars.base",
@@ -117,7 +128,9 @@ _LAZY = {
 
 __all__ = [
     "DEFAULT_WHITESPACE_PATTERN",
+    "GRAMMAR_BACKENDS",
     "IGNORED_KEYWORDS",
+    "AutoBackend",
     "CompileCache",
     "CompiledGrammar",
     "Grammar",
@@ -128,6 +141,7 @@ __all__ = [
     "GrammarSpec",
     "GrammarSpecError",
     "GrammarTooLargeError",
+    "LLGuidanceBackend",
     "OutlinesBackend",
     "OutlinesCompiledGrammar",
     "OutlinesGrammar",
@@ -142,6 +156,7 @@ __all__ = [
     "check_schema",
     "find_ignored_keywords",
     "is_token_allowed",
+    "make_grammar_backend",
     "normalize_schema",
     "pack_bitmask",
     "schema_findings",

@@ -234,3 +234,13 @@ class GrammarBackend(Protocol[CompiledT]):
                 timeout, too large).
         """
         ...
+
+    def check_schema(self, schema: dict[str, Any] | bool, strict: bool) -> list[str]:
+        """What this backend would not enforce of the JSON schema ``schema`` (one string per finding),
+        warned about (``UserWarning``), or raised when ``strict``.
+
+        Raises:
+            UnsupportedSchemaError: ``strict`` and a finding.
+            GrammarCompileError: the backend cannot take the schema at all.
+        """
+        ...

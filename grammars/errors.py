@@ -105,9 +105,9 @@ class GrammarCompileError(GrammarError):
 
 
 class UnsupportedSchemaError(GrammarCompileError):
-    """A JSON schema uses keywords outlines-core ignores (raised in strict mode only; the message and
-    :attr:`keywords` name each one with its JSON-pointer location) or constructs it compiles into a
-    wrong grammar (raised always, see :mod:`grammars.schema`)."""
+    """A JSON schema uses keywords the grammar backend ignores (raised in strict mode only; the message
+    and :attr:`keywords` name each one, with its JSON-pointer location where the backend gives one) or
+    constructs outlines-core compiles into a wrong grammar (raised always, see :mod:`grammars.schema`)."""
 
     def __init__(self, message: str, keywords: list[str]):
         super().__init__(message)

@@ -40,7 +40,6 @@ import sys
 import threading
 import time
 from collections.abc import Collection, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +50,13 @@ from outlines_core.json_schema import build_regex_from_schema
 
 from grammars.base import GrammarSpec
 from grammars.bitmask import bitmask_width, token_ids_to_bitmask_row
-from grammars.cache import CompileCache
 from grammars.errors import (
     GrammarCompileError,
     GrammarCompileTimeoutError,
     GrammarTooLargeError,
 )
-from grammars.schema import normalize_schema, schema_findings
+from grammars.pool import CompiledBase, PooledBackend
+from grammars.schema import check_schema, normalize_schema, schema_findings
 from grammars.vocabulary import TokenVocabulary, build_outlines_vocabulary, tokenizer_vocabulary
 
 #: whitespace allowed between JSON tokens when a spec gives none: at most one space
@@ -75,7 +74,7 @@ def escape_regex_literal(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
-def _strip_anchors(pattern: str) -> str:
+def strip_anchors(pattern: str) -> str:
     """Drop one leading ``^`` and one trailing unescaped ``$``: patterns are matched in full anyway."""
     if pattern.startswith("^"):
         pattern = pattern[1:]
@@ -103,7 +102,7 @@ def spec_to_regex(spec: GrammarSpec, strict_schema: bool = False) -> tuple[str, 
         return regex, ignored
     if spec.kind == "choice":
         return "|".join(escape_regex_literal(c) for c in json.loads(spec.value)), []
-    return _strip_anchors(spec.value), []
+    return strip_anchors(spec.value), []
 
 
 def explain_regex_error(pattern: str, message: str) -> str:
@@ -134,7 +133,7 @@ def explain_regex_error(pattern: str, message: str) -> str:
     return message
 
 
-class OutlinesCompiledGrammar:
+class OutlinesCompiledGrammar(CompiledBase):
     """A compiled spec (implements :class:`grammars.base.CompiledGrammar`); shared, thread-safe.
 
     Attributes:
@@ -145,6 +144,8 @@ class OutlinesCompiledGrammar:
         compile_time_s: wall time of the whole compilation (regex, index, transfer).
         ignored_keywords: schema keywords outlines-core does not enforce (see :mod:`grammars.schema`).
     """
+
+    backend = "outlines"
 
     def __init__(
         self,
@@ -158,29 +159,17 @@ class OutlinesCompiledGrammar:
         compile_time_s: float,
         ignored_keywords: Sequence[str] = (),
     ):
-        self._spec = spec
-        self._vocab_size = vocab_size
+        super().__init__(spec, vocabulary, vocab_size, compile_time_s, ignored_keywords)
         self.regex = regex
         self.num_states = num_states
-        self.compile_time_s = compile_time_s
-        self.ignored_keywords = tuple(ignored_keywords)
         self._index = index
         self.initial_state = initial_state
-        self.eos_token_ids = tuple(e for e in vocabulary.eos_token_ids if 0 <= e < vocab_size)
         self._eos_set = frozenset(self.eos_token_ids)
         # ids a grammar may allow for their bytes: ordinary tokens inside the model vocabulary
         self._ordinary = vocabulary.ordinary_mask[:vocab_size]
         self._eos_array = np.array(self.eos_token_ids, dtype=np.int64)
         self._rows: dict[int, torch.Tensor] = {_TERMINATED: self._pack(self._eos_array)}
         self._final: dict[int, bool] = {_TERMINATED: True}
-
-    @property
-    def spec(self) -> GrammarSpec:
-        return self._spec
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
 
     @property
     def bitmask_width(self) -> int:
@@ -297,7 +286,7 @@ class OutlinesGrammar:
         return len(self._states) - 1
 
 
-class OutlinesBackend:
+class OutlinesBackend(PooledBackend[OutlinesCompiledGrammar]):
     """Compiles :class:`GrammarSpec` s with outlines-core for one tokenizer (implements
     :class:`grammars.base.GrammarBackend`).
 
@@ -326,6 +315,8 @@ class OutlinesBackend:
         ValueError: ``vocab_size`` < 1, a limit <= 0, or no EOS id.
     """
 
+    name = "outlines"
+
     def __init__(
         self,
         tokenizer: Any,
@@ -344,6 +335,7 @@ class OutlinesBackend:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         if compile_timeout_s <= 0 or max_index_states <= 0 or max_workers <= 0:
             raise ValueError("compile_timeout_s, max_index_states and max_workers must be > 0")
+        super().__init__(max_workers, cache_size)
         self.vocabulary = tokenizer_vocabulary(tokenizer, eos_token_ids)
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
@@ -352,8 +344,6 @@ class OutlinesBackend:
         self.compile_in_subprocess = compile_in_subprocess
         self.compile_memory_limit_bytes = compile_memory_limit_bytes
         self.sentinel_token_id = max(self.vocabulary.size, vocab_size)
-        self.cache: CompileCache[OutlinesCompiledGrammar] = CompileCache(cache_size)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._token_map_payload: bytes | None = None
         self._outlines_vocabulary: outlines_core.Vocabulary | None = None
@@ -363,34 +353,10 @@ class OutlinesBackend:
         """The tokenizer fingerprint (:class:`~grammars.vocabulary.TokenVocabulary`)."""
         return self.vocabulary.fingerprint
 
-    def compile_async(self, spec: GrammarSpec) -> Future[OutlinesCompiledGrammar]:
-        """Start compiling ``spec`` (or return the cached/pending future); never blocks on the compile.
-
-        The future's ``result()`` is the :class:`OutlinesCompiledGrammar`, or raises
-        :class:`GrammarCompileError` (or a subclass). The engine polls ``future.done()``.
-        """
-        if not isinstance(spec, GrammarSpec):
-            raise TypeError(f"expected a GrammarSpec, got {type(spec).__name__}")
-        key = (spec, self.fingerprint)
-        return self.cache.get_or_submit(key, lambda: self._pool.submit(self._compile, spec))
-
-    def compile(self, spec: GrammarSpec) -> OutlinesCompiledGrammar:
-        """Compile ``spec`` (cached), blocking until done.
-
-        Raises:
-            GrammarCompileError: and its subclasses, see :meth:`compile_async`.
-        """
-        return self.compile_async(spec).result()
-
-    def close(self) -> None:
-        """Stop the compile threads: queued compilations are cancelled, running ones finish first."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> OutlinesBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def check_schema(self, schema: dict[str, Any] | bool, strict: bool) -> list[str]:
+        """The keywords of ``schema`` outlines-core ignores, warned about or, when ``strict``, raised
+        (:func:`grammars.schema.check_schema`)."""
+        return check_schema(schema, strict)
 
     # ------------------------------------------------------------------------------------ compilation
     def _compile(self, spec: GrammarSpec) -> OutlinesCompiledGrammar:

@@ -437,13 +437,30 @@ def check_schema(schema: dict[str, Any] | bool, strict: bool) -> list[str]:
         UserWarning: ignored keywords when not ``strict`` (one warning listing them all), except inside
             :func:`quiet_schema_warnings`.
     """
-    found = schema_findings(schema, strict)
-    if found and not _QUIET.get():
+    return warn_ignored_keywords(schema_findings(schema, strict), "outlines-core", strict, stacklevel=3)
+
+
+def warn_ignored_keywords(found: list[str], engine: str, strict: bool, stacklevel: int = 3) -> list[str]:
+    """Report what ``engine`` does not enforce of a schema: ``found`` is returned; when ``strict`` a
+    non-empty ``found`` raises, else it is warned about (one warning listing them all; none inside
+    :func:`quiet_schema_warnings`).
+
+    Raises:
+        UnsupportedSchemaError: ``strict`` and ``found`` is not empty.
+    """
+    if not found:
+        return found
+    if strict:
+        raise UnsupportedSchemaError(
+            f"{engine} does not enforce {len(found)} schema keyword(s) (strict=True): {'; '.join(found)}",
+            found,
+        )
+    if not _QUIET.get():
         warnings.warn(
-            f"outlines-core does not enforce {len(found)} schema keyword(s); constrained output may violate "
+            f"{engine} does not enforce {len(found)} schema keyword(s); constrained output may violate "
             f"the schema: {'; '.join(found)}",
             UserWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
     return found
 

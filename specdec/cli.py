@@ -83,6 +83,7 @@ def _generate(args: argparse.Namespace) -> int:
         speculative_config=spec,
         compile=args.compile,
         cpu_threads=args.cpu_threads,
+        grammar_backend=args.grammar_backend,
     )
     prompts = args.prompt or ["Write a haiku about speculative decoding."]
     t0 = time.perf_counter()
@@ -174,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="constrain the output to JSON valid under this schema: a JSON string or @FILE",
     )
     c.add_argument("--regex", default=None, help="constrain the output to a full match of this regex")
+    from grammars.registry import GRAMMAR_BACKENDS
+
+    g.add_argument(
+        "--grammar-backend",
+        choices=sorted(GRAMMAR_BACKENDS),
+        default="auto",
+        help="what compiles --json-schema/--regex/--choice (default: %(default)s: per schema, the backend "
+        "that enforces the most of it)",
+    )
     c.add_argument(
         "--choice", action="append", default=None, help="constrain the output to one of these (repeat)"
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grammars.registry import check_grammar_backend, make_grammar_backend
 from grammars.schema import quiet_schema_warnings
 from sampling.beam_search import BeamSearchParams
 from sampling.params import SamplingParams, suggest_keywords
@@ -93,10 +94,15 @@ class LLM:
         cpu_threads: intra-op threads on the CPU: ``"auto"`` (as many as there are cores that other
             processes leave free, re-sampled twice a second: a busy machine does not collapse the step),
             a fixed count, or None (torch's setting untouched). See :mod:`specdec.engine.threads`.
+        grammar_backend: what compiles ``json_schema`` / ``regex`` / ``choice`` constraints: ``"auto"``
+            (per spec, the backend that enforces the most of it: llguidance unless outlines-core
+            enforces more), ``"llguidance"`` or ``"outlines"``. See :mod:`grammars.registry`.
 
     Raises:
         UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.
         ValueError: invalid configuration values.
+        ConfigError: an unknown ``grammar_backend`` (the known ones named) or one whose package is
+            missing.
         TypeError: an unknown keyword argument, with what to write instead (``max_model_length`` ->
             ``max_model_len``...: :data:`LLM_ALIASES`, else the closest names).
     """
@@ -121,6 +127,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         compile: bool | dict | CompilationConfig = False,
         cpu_threads: int | str | None = "auto",
+        grammar_backend: str = "auto",
     ) -> None:
         from specdec.drafters.heads import default_heads_name, resolve_heads_dir
         from specdec.drafters.registry import get_drafter
@@ -133,6 +140,7 @@ class LLM:
         quantization_config = QuantizationConfig.from_any(quantization)
         compilation = CompilationConfig.from_any(compile)
         check_threads(cpu_threads)
+        self.grammar_backend_name = check_grammar_backend(grammar_backend)
         cache_config = CacheConfig(
             block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes, kv_cache_dtype
         )
@@ -261,12 +269,13 @@ class LLM:
         return added
 
     def _grammar_backend(self) -> GrammarBackend:
-        """The outlines-core backend for this tokenizer, made on first use (builds the vocabulary)."""
+        """The ``grammar_backend`` for this tokenizer, made on first use (builds the vocabulary)."""
         if self.engine.grammar_backend is None and self.tokenizer is not None:
-            from grammars.outlines_backend import OutlinesBackend
-
-            self.engine.grammar_backend = OutlinesBackend(
-                self.tokenizer, self.engine.model_cfg.vocab_size, self.engine.model_cfg.eos_token_ids
+            self.engine.grammar_backend = make_grammar_backend(
+                self.grammar_backend_name,
+                self.tokenizer,
+                self.engine.model_cfg.vocab_size,
+                self.engine.model_cfg.eos_token_ids,
             )
         if self.engine.grammar_backend is None:
             raise InvalidRequestError(

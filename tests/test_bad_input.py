@@ -496,9 +496,10 @@ def test_schema_that_is_valid_json_but_not_a_json_schema(text_llm, schema, match
     assert text_reference(text_llm) == want
 
 
-def test_grammar_compilation_past_its_time_or_size_limit(text_llm):
+def test_grammar_compilation_past_its_time_or_size_limit(tiny_text_model_dirs):
     """Limits of the compile (``OutlinesBackend.compile_timeout_s``, ``max_index_states``): the whole
     batch is rejected before any step, and the backend keeps working."""
+    text_llm = LLM(tiny_text_model_dirs["target"], max_model_len=MAX_MODEL_LEN, grammar_backend="outlines")
     from grammars.errors import GrammarCompileTimeoutError, GrammarTooLargeError
     from tests.test_grammar_backend import EXPONENTIAL
 

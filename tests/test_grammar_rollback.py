@@ -9,16 +9,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grammars import GrammarSpec, OutlinesBackend, allocate_token_bitmask
+from grammars.llguidance_backend import LLGuidanceBackend
 from tests.test_grammar_helpers import allowed_ids, tiny_byte_level_tokenizer
 
 PAD = 5
 REGEX = "(ab|12)+( wo)*|é+"
 
 
-@pytest.fixture(scope="module")
-def compiled():
+@pytest.fixture(scope="module", params=["outlines", "llguidance"])
+def compiled(request):
     tok = tiny_byte_level_tokenizer()
-    backend = OutlinesBackend(tok, len(tok) + PAD, compile_in_subprocess=False)
+    if request.param == "outlines":
+        backend = OutlinesBackend(tok, len(tok) + PAD, compile_in_subprocess=False)
+    else:
+        backend = LLGuidanceBackend(tok, len(tok) + PAD)
     yield backend.compile(GrammarSpec.regex(REGEX))
     backend.close()
 

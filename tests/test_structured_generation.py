@@ -5,6 +5,7 @@ ending rules (grammar complete -> "stop", ``max_tokens`` first -> "length" and `
 from __future__ import annotations
 
 import json
+import warnings
 
 import jsonschema
 import pytest
@@ -65,6 +66,12 @@ def llm(smollm2_dir):
     return LLM(smollm2_dir, seed=0)
 
 
+@pytest.fixture(scope="module", params=["outlines", "llguidance"])
+def backend_llm(request, smollm2_dir):
+    """One LLM per grammar backend (the module's ``llm`` uses the default, ``"auto"``)."""
+    return LLM(smollm2_dir, seed=0, grammar_backend=request.param)
+
+
 def ask(llm: LLM, what: str) -> dict:
     from specdec.llm import chat_token_ids
 
@@ -73,8 +80,8 @@ def ask(llm: LLM, what: str) -> dict:
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
-def test_outputs_parse_and_validate(llm, name):
-    schema = SCHEMAS[name]
+def test_outputs_parse_and_validate(backend_llm, name):
+    llm, schema = backend_llm, SCHEMAS[name]
     params = [
         SamplingParams(temperature=t, seed=s, max_tokens=128, json_schema=schema)
         for t, s in [(0, None), (0.8, 1)]
@@ -82,6 +89,15 @@ def test_outputs_parse_and_validate(llm, name):
     outs = llm.generate([ask(llm, name)] * 2, params)
     for out in outs:
         c = out.outputs[0]
+        if c.finish_reason == "length":
+            # llguidance enforces the recursion itself (outlines-core unrolls it three levels deep, which
+            # forces an end), so greedy decoding may nest nodes until max_tokens: the text is then an
+            # unfinished instance, every token of it accepted by a fresh matcher
+            assert name == "tree" and llm.grammar_backend_name == "llguidance", c.text
+            grammar = llm.engine.grammar_backend.compile(params[0].grammar_spec).matcher()
+            assert grammar.validate_tokens(c.token_ids) == len(c.token_ids)
+            assert c.schema_valid is False
+            continue
         assert c.finish_reason == "stop", c.text
         value = json.loads(c.text)
         jsonschema.validate(value, schema)
@@ -105,12 +121,13 @@ def test_space_prefixed_tokens_are_usable(llm):
 
 
 def test_greedy_output_is_the_same_with_and_without_speculation_and_free_rows_are_unaffected(
-    llm, smollm2_dir
+    backend_llm, smollm2_dir
 ):
+    llm, backend = backend_llm, backend_llm.grammar_backend_name
     prompts, params = [], []
     for name, schema in SCHEMAS.items():
         prompts.append(ask(llm, name))
-        params.append(SamplingParams(temperature=0, max_tokens=96, json_schema=schema))
+        params.append(SamplingParams(temperature=0, max_tokens=64, json_schema=schema))
     prompts.append(ask(llm, "a colour"))
     params.append(SamplingParams(temperature=0, max_tokens=48))  # a free row in the same batch
     prompts.append(ask(llm, "a number"))
@@ -128,7 +145,7 @@ def test_greedy_output_is_the_same_with_and_without_speculation_and_free_rows_ar
             "num_speculative_tokens": 3,
         },
     ):
-        spec_llm = LLM(smollm2_dir, speculative_config=spec)
+        spec_llm = LLM(smollm2_dir, speculative_config=spec, grammar_backend=backend)
         got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
         assert got == plain, spec["method"]
         stats = spec_llm.engine.spec_stats
@@ -151,21 +168,53 @@ def test_a_complete_grammar_ends_the_request_with_stop_and_max_tokens_gives_leng
 
 
 def test_ignored_keywords_warn_or_raise_in_strict_mode_and_the_output_is_validated(llm):
+    # uniqueItems: neither llguidance nor outlines-core enforces it, so "auto" warns
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {
+                "type": "array",
+                "items": {"enum": [1, 2]},
+                "minItems": 3,
+                "maxItems": 3,
+                "uniqueItems": True,
+            }
+        },
+        "required": ["n"],
+    }
+    with pytest.raises(ValueError, match="uniqueItems"):
+        llm.generate(ask(llm, "a list"), SamplingParams(max_tokens=16, json_schema=schema, strict=True))
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.warns(UserWarning, match="uniqueItems"):
+        (out,) = llm.generate(
+            ask(llm, "a list"), SamplingParams(temperature=0, max_tokens=48, json_schema=schema)
+        )
+    c = out.outputs[0]
+    n = json.loads(c.text)["n"]
+    assert len(n) >= 3 and set(n) <= {1, 2}  # what the grammar enforces
+    assert c.schema_valid is False  # three items from two values repeat one: jsonschema judges
+
+
+def test_keywords_only_outlines_ignores_are_enforced_by_auto(llm):
+    """The bounds outlines-core ignores (``minimum``/``maximum``) make "auto" pick llguidance, which
+    enforces them: no warning, strict accepted, and every output in range."""
     schema = {
         "type": "object",
         "properties": {"n": {"type": "integer", "minimum": 1000, "maximum": 1005}},
         "required": ["n"],
+        "additionalProperties": False,
     }
-    with pytest.raises(ValueError, match="minimum"):
-        llm.generate(ask(llm, "a number"), SamplingParams(max_tokens=16, json_schema=schema, strict=True))
-    assert not llm.engine.has_unfinished_requests()
-    with pytest.warns(UserWarning, match="minimum"):
-        (out,) = llm.generate(
-            ask(llm, "a number"), SamplingParams(temperature=0, max_tokens=24, json_schema=schema)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = llm.generate(
+            [ask(llm, "a number")] * 4,
+            [
+                SamplingParams(temperature=1.0, seed=s, max_tokens=24, json_schema=schema, strict=True)
+                for s in range(4)
+            ],
         )
-    c = out.outputs[0]
-    n = json.loads(c.text)["n"]
-    assert c.schema_valid == (1000 <= n <= 1005)  # the grammar cannot enforce the bounds; jsonschema judges
+    for out in outs:
+        assert 1000 <= json.loads(out.outputs[0].text)["n"] <= 1005 and out.outputs[0].schema_valid
 
 
 def test_bad_specs_raise_before_any_work(llm):

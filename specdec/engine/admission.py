@@ -41,7 +41,7 @@ def validate_request(
     num_kv_blocks: int,
     num_draft_slots: int,
     has_tokenizer: bool,
-    has_grammar_backend: bool,
+    grammar_backend: GrammarBackend | None,
 ) -> None:
     """Check one request before any work.
 
@@ -49,7 +49,9 @@ def validate_request(
         InvalidRequestError: empty prompt, prompt of ``max_model_len`` tokens or more, token ids
             outside ``[0, vocab_size)``, params that are not a ``SamplingParams``, stop token ids
             outside the vocabulary, stop strings or a grammar without a tokenizer.
-        UnsupportedSchemaError: a JSON schema with keywords it cannot enforce, under ``strict=True``.
+        UnsupportedSchemaError: a JSON schema with keywords ``grammar_backend`` cannot enforce, under
+            ``strict=True``.
+        GrammarCompileError: a JSON schema no backend takes (``grammar_backend="auto"``).
         KVCacheExhaustedError: the request alone needs more KV blocks than the pool has.
     """
     if not isinstance(params, SamplingParams):
@@ -72,15 +74,19 @@ def validate_request(
     if params.stop_strings and not has_tokenizer:
         raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init=True was given)")
     if params.grammar_spec is not None:
-        if not has_grammar_backend:
+        if grammar_backend is None:
             raise InvalidRequestError(
                 "json_schema / regex / choice need a tokenizer (skip_tokenizer_init=True was given)"
             )
         schema = params.schema
         if schema is not None:
-            from grammars.schema import check_schema
+            # what this backend ignores: warned about, or UnsupportedSchemaError when strict
+            check = getattr(grammar_backend, "check_schema", None)
+            if check is None:  # a backend of the first round's Protocol: outlines-core's findings
+                from grammars.schema import check_schema
 
-            check_schema(schema, strict=params.strict)  # UnsupportedSchemaError when strict
+                check = check_schema
+            check(schema, params.strict)
     total = min(n + params.max_tokens, max_model_len)
     # The last generated token ends the request before its KV is ever written; a verification step may
     # also reserve slots for its drafts past the committed tokens.

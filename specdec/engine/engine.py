@@ -187,7 +187,7 @@ class LLMEngine:
             num_kv_blocks=self.num_kv_blocks,
             num_draft_slots=self.num_draft_slots,
             has_tokenizer=self.detokenize is not None,
-            has_grammar_backend=self.grammar_backend is not None,
+            grammar_backend=self.grammar_backend,
         )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:

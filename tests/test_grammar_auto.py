@@ -1,0 +1,165 @@
+"""Grammar backends by name (grammars/registry.py) and ``"auto"``'s choice per spec
+(grammars/auto_backend.py), on the tiny byte-level tokenizer: which member it picks and why, the
+errors for unknown names and for specs no member takes, and strict mode."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from grammars import GrammarCompileError, GrammarSpec, UnsupportedSchemaError
+from grammars.base import CompiledGrammar, Grammar, GrammarBackend
+from grammars.registry import GRAMMAR_BACKENDS, check_grammar_backend, make_grammar_backend
+from specdec.errors import ConfigError
+from tests.test_grammar_helpers import tiny_byte_level_tokenizer
+
+BOUNDS = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}, "required": ["n"]}
+UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_byte_level_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def auto(tok):
+    with make_grammar_backend("auto", tok, len(tok) + 3) as backend:
+        yield backend
+
+
+def test_unknown_backend_names_the_known_ones():
+    with pytest.raises(
+        ConfigError, match=r"grammar_backend must be one of \['auto', 'llguidance', 'outlines'\]"
+    ):
+        check_grammar_backend("xgrammer")
+    assert set(GRAMMAR_BACKENDS) == {"auto", "llguidance", "outlines"}
+
+
+def test_missing_package_is_named(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "llguidance" else real(name)
+    )
+    with pytest.raises(ConfigError, match=r"needs the 'llguidance' package.*pip install llguidance"):
+        check_grammar_backend("llguidance")
+
+
+def test_llm_rejects_an_unknown_backend_before_loading(tmp_path):
+    from specdec import LLM
+
+    with pytest.raises(ConfigError, match="grammar_backend must be one of"):
+        LLM(tmp_path / "no-model-here", grammar_backend="lark")
+
+
+@pytest.mark.parametrize("name", ["auto", "llguidance", "outlines"])
+def test_every_backend_meets_the_protocols(tok, name):
+    with make_grammar_backend(name, tok, len(tok)) as backend:
+        assert isinstance(backend, GrammarBackend) and backend.name == name
+        compiled = backend.compile(GrammarSpec.regex("(ab)+"))
+        assert isinstance(compiled, CompiledGrammar) and isinstance(compiled.matcher(), Grammar)
+
+
+def test_auto_picks_the_member_that_enforces_more(auto):
+    # outlines-core ignores minimum, llguidance enforces it: llguidance, nothing ignored, no warning
+    spec = GrammarSpec.json_schema(BOUNDS)
+    assert auto.candidates(spec) == [
+        ("llguidance", []),
+        ("outlines", ["minimum at #/properties/n (numeric bounds are not enforced)"]),
+    ]
+    compiled = auto.compile(spec)
+    assert compiled.backend == "llguidance" and compiled.ignored_keywords == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert auto.check_schema(BOUNDS, strict=True) == []
+
+
+def test_auto_prefers_the_first_member_on_a_tie_and_reports_what_it_ignores(auto):
+    # both ignore uniqueItems: one finding each, so the first member (llguidance) wins
+    spec = GrammarSpec.json_schema(UNIQUE)
+    (first, found), (second, _) = auto.candidates(spec)
+    assert (first, second) == ("llguidance", "outlines") and "uniqueItems" in found[0]
+    with pytest.warns(UserWarning, match=r"llguidance \(the best grammar backend for this schema\) does not"):
+        auto.check_schema(UNIQUE, strict=False)
+    with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):
+        auto.check_schema(UNIQUE, strict=True)
+
+
+def test_auto_falls_back_when_the_preferred_member_refuses(tok):
+    """A member refusing the schema is not a candidate: outlines-core compiles this ``allOf`` of two
+    object schemas wrongly (refused always), so the other member takes it."""
+
+    def only_outlines_then_llguidance(name):
+        return make_grammar_backend(name, tok, len(tok))
+
+    from grammars.auto_backend import AutoBackend
+
+    schema = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+        ]
+    }
+    with AutoBackend(only_outlines_then_llguidance, ("outlines", "llguidance")) as backend:
+        spec = GrammarSpec.json_schema(schema)
+        assert [name for name, _ in backend.candidates(spec)] == ["llguidance"]
+        assert backend.compile(spec).backend == "llguidance"
+
+
+def test_a_spec_no_member_compiles_gives_every_reason(auto):
+    # look-ahead: neither outlines-core's nor llguidance's regex engine has it
+    with pytest.raises(GrammarCompileError) as info:
+        auto.compile(GrammarSpec.regex("(?=a)ab"))
+    message = str(info.value)
+    assert message.startswith("no grammar backend compiles this spec")
+    assert "llguidance: GrammarCompileError" in message and "look-around" in message
+    assert "outlines: GrammarCompileError" in message
+
+
+def test_strict_auto_keeps_only_members_that_enforce_everything(tok):
+    with make_grammar_backend("auto", tok, len(tok), strict_schema=True) as strict:
+        assert strict.compile(GrammarSpec.json_schema(BOUNDS)).backend == "llguidance"
+        with pytest.raises(UnsupportedSchemaError, match="no grammar backend compiles this spec"):
+            strict.compile(GrammarSpec.json_schema(UNIQUE))
+
+
+def test_llguidance_strict_refuses_what_it_does_not_implement(tok):
+    with (
+        make_grammar_backend("llguidance", tok, len(tok), strict_schema=True) as strict,
+        pytest.raises(UnsupportedSchemaError, match=r"uniqueItems"),
+    ):
+        strict.compile(GrammarSpec.json_schema(UNIQUE))
+    with make_grammar_backend("llguidance", tok, len(tok)) as lenient:
+        compiled = lenient.compile(GrammarSpec.json_schema(UNIQUE))
+        assert any("uniqueItems" in k for k in compiled.ignored_keywords)
+
+
+def test_llguidance_enforces_a_recursive_schema_with_a_required_property(tok):
+    """The issue's bug: outlines-core cut a recursive ``$ref`` with a required property and emitted
+    ``{ "name": ..., }``. llguidance keeps the recursion a grammar rule: no such cut exists, and every
+    complete walk is valid JSON (checked by walking the shortest instances of depth 1-5)."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["name", "children"],
+        "additionalProperties": False,
+    }
+    with make_grammar_backend("llguidance", tok, len(tok)) as backend:
+        compiled = backend.compile(GrammarSpec.json_schema(schema))
+        assert compiled.ignored_keywords == ()
+        value: dict = {"name": "a", "children": []}
+        for _ in range(5):
+            text = json.dumps(value, separators=(",", ":"))
+            ids = tok.encode(text, add_special_tokens=False)
+            g = compiled.matcher()
+            assert g.validate_tokens(ids) == len(ids) and all(g.accept_token(t) for t in ids) and g.is_final()
+            g = compiled.matcher()
+            cut = tok.encode(text.replace(',"children":[]', ""), add_special_tokens=False)
+            fed = g.validate_tokens(cut)
+            assert fed < len(cut) or not all(g.accept_token(t) for t in cut) or not g.is_final()
+            value = {"name": "b", "children": [value]}
