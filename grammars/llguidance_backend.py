@@ -94,6 +94,7 @@ class LLGuidanceCompiledGrammar(CompiledBase):
         )
         self.eos_row = token_ids_to_bitmask_row(eos, vocab_size)
         self.width = bitmask_width(vocab_size)
+        self.llg_vocab_size = llg_vocab_size
         self.llg_width = bitmask_width(llg_vocab_size)
 
     def matcher(self) -> LLGuidanceGrammar:
@@ -129,9 +130,10 @@ class LLGuidanceGrammar:
         if self._num_eos:
             bitmask[row].copy_(c.eos_row)
             return
-        if c.llg_width == c.width and bitmask.device.type == "cpu" and bitmask.is_contiguous():
-            # straight into the row: llguidance allows no special token but EOS (our grammars name none)
-            # and no id without bytes (the padded tail), exactly our ordinary-or-EOS set
+        if c.llg_vocab_size == c.vocab_size and bitmask.device.type == "cpu" and bitmask.is_contiguous():
+            # straight into the row: llguidance allows no special token but EOS (our grammars name none),
+            # no id without bytes (the padded tail) and no bit past its vocabulary, which is the model's:
+            # exactly our ordinary-or-EOS set
             self._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + 4 * row * c.width, 4 * c.width)
             return
         scratch = self._scratch[0]

@@ -163,3 +163,31 @@ def test_llguidance_enforces_a_recursive_schema_with_a_required_property(tok):
             fed = g.validate_tokens(cut)
             assert fed < len(cut) or not all(g.accept_token(t) for t in cut) or not g.is_final()
             value = {"name": "b", "children": [value]}
+
+
+@pytest.mark.parametrize("extra", [-3, 0, 5])
+def test_llguidance_rows_fit_the_model_vocabulary(tok, extra):
+    """Model vocabularies narrower than the tokenizer (rows cut and AND-ed with ours), equal, and padded
+    (rows written in place): in each, the mask allows exactly the tokens ``accept_token`` takes, and no
+    bit at or past ``vocab_size``."""
+    import torch
+
+    from grammars import allocate_token_bitmask, unpack_bitmask
+
+    vocab_size = len(tok) + extra
+    with make_grammar_backend("llguidance", tok, vocab_size) as backend:
+        g = backend.compile(GrammarSpec.regex("[a-z ]+")).matcher()
+        bitmask = allocate_token_bitmask(3, vocab_size)
+        g.fill_bitmask(bitmask, 1)
+        allowed = unpack_bitmask(bitmask, vocab_size)[1]
+        accepted = torch.zeros(vocab_size, dtype=torch.bool)
+        for t in range(vocab_size):
+            if g.accept_token(t):
+                accepted[t] = True
+                g.rollback(1)
+        assert torch.equal(allowed, accepted) and int(allowed.sum()) > 0
+        width = bitmask.shape[1]
+        tail = [32 * (width - 1) + j for j in range(32) if 32 * (width - 1) + j >= vocab_size]
+        words = bitmask[1, -1].item() & 0xFFFFFFFF
+        assert all(not (words >> (t - 32 * (width - 1))) & 1 for t in tail)
+        assert (bitmask[0] == -1).all() and (bitmask[2] == -1).all()  # other rows untouched
