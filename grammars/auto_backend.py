@@ -126,8 +126,9 @@ class AutoBackend(PooledBackend[CompiledGrammar]):
         return warn_ignored_keywords(found, f"{name} (the best grammar backend for this schema)", strict)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        candidates = self.candidates(spec)  # records the members that refused the spec
         reasons = dict(self._refusals.get(spec, {}))
-        for name, _ in self.candidates(spec):
+        for name, _ in candidates:
             try:
                 return self.member(name).compile(spec)
             except GrammarCompileError as e:
