@@ -150,6 +150,25 @@ class TokenTree:
                 parents.append(keep[p])
         return TokenTree(tuple(tokens), tuple(parents))
 
+    def pruned(self, keep: Sequence[bool]) -> TokenTree:
+        """The nodes with ``keep[i]`` whose ancestors are all kept, in order (a node whose parent is
+        dropped is dropped with it).
+
+        Raises:
+            ValueError: ``keep`` does not have one entry per node.
+        """
+        if len(keep) != self.num_nodes:
+            raise ValueError(f"keep has {len(keep)} entries for {self.num_nodes} nodes")
+        index: dict[int, int] = {-1: -1}
+        tokens: list[int] = []
+        parents: list[int] = []
+        for i, (t, p) in enumerate(zip(self.token_ids, self.parents)):
+            if keep[i] and p in index:
+                index[i] = len(tokens)
+                tokens.append(t)
+                parents.append(index[p])
+        return TokenTree(tuple(tokens), tuple(parents))
+
     def first_path(self) -> TokenTree:
         """The chain that follows each node's first child (the greedy path of a best-first tree)."""
         tokens: list[int] = []

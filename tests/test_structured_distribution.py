@@ -10,14 +10,18 @@ by brute force over every string of up to 9 characters that fully matches the re
 exact joint of the first three tokens is ``prod_i softmax(masked logits_i / T)`` in float64 from
 transformers' logits.
 
-Per decoding mode and grammar backend (outlines-core, llguidance), 50,000 samples (20 calls of 2,500
-requests mixing temperatures 0.8 and 1.3 and seeded with unseeded requests, plus greedy requests that
-must give the exact masked argmax chain and unconstrained requests in the same batch) pass the
-chi-square test of :mod:`tests.stats` at ``alpha = 1e-3`` per temperature: 12 tests. Modes: plain,
-n-gram drafter (k = 2; drafts the grammar forbids are cut before verification) and draft model (k = 2;
-the draft distribution is masked too).
-Negative control: a draft model that draws from its masked distribution but reports the unmasked one
-as ``draft_probs`` must fail.
+Per decoding mode and grammar backend (outlines-core, llguidance), 50,000 samples (25,000 for trees; 20
+calls of 2,500 requests mixing temperatures 0.8 and 1.3 and seeded with unseeded requests, plus greedy
+requests that must give the exact masked argmax chain and unconstrained requests in the same batch) pass
+the chi-square test of :mod:`tests.stats` at ``alpha = 1e-3`` per temperature: 16 tests. Modes: plain,
+n-gram drafter (k = 2; drafts the grammar forbids are cut before verification), draft model (k = 2; the
+draft distribution is masked too) and token trees (issue 20): an oracle drafter that knows the target
+proposes, at the first output position, a depth-3 tree mixing the likeliest allowed tokens with
+forbidden ones (:func:`oracle_tree`; the forbidden nodes are pruned with their subtrees, every other
+node's row is masked by the grammar after its own path).
+Negative controls: a draft model that draws from its masked distribution but reports the unmasked one
+as ``draft_probs``, and trees whose rows are all masked by the root's grammar state (not their path's),
+must fail.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from sampling.params import SamplingParams
 from specdec import LLM
+from specdec.drafters.base import DrafterBase, DraftInput, DraftProposal
 from tests.conftest import first_three_logits, save_target_and_draft
 from tests.stats import ALPHA, assert_differs, counts_of, goodness_of_fit
 
@@ -113,7 +118,13 @@ def setup(tmp_path_factory):
     a = int(l1.masked_fill(~masks1, -torch.inf).argmax())
     b = int(l2[a].masked_fill(~allowed_mask(VOCAB[a], prefixes), -torch.inf).argmax())
     c = int(l3[a, b].masked_fill(~allowed_mask(VOCAB[a] + VOCAB[b], prefixes), -torch.inf).argmax())
-    return {"target": root / "target", "draft": root / "draft", "exact": exact, "greedy": [a, b, c]}
+    return {
+        "target": root / "target",
+        "draft": root / "draft",
+        "exact": exact,
+        "greedy": [a, b, c],
+        "tree": oracle_tree(l1, l2, l3, prefixes),
+    }
 
 
 def test_the_grammar_really_constrains_the_first_three_tokens(setup):
@@ -126,7 +137,73 @@ def test_the_grammar_really_constrains_the_first_three_tokens(setup):
         assert support[0].any() and support[5].any()  # "a" and "ab" can
 
 
+def oracle_tree(l1, l2, l3, prefixes) -> tuple[list[int], list[int]]:
+    """The oracle's tree (tokens, parents) after PROMPT: under the root and each kept first token, the
+    two most likely tokens the grammar allows (by the target's masked logits) and the most likely one it
+    forbids, which gets a child of its own; under each allowed second token, the most likely allowed
+    third token. 16 nodes, depth 3; 6 of them (3 forbidden tokens and their children) must be pruned."""
+    tokens: list[int] = []
+    parents: list[int] = []
+
+    def children(logits: torch.Tensor, text: str, parent: int, width: int) -> list[int]:
+        mask = allowed_mask(text, prefixes)
+        kept = []
+        for t in logits.masked_fill(~mask, -torch.inf).topk(width).indices.tolist():
+            tokens.append(t)
+            parents.append(parent)
+            kept.append(t)
+        if width > 1:
+            bad = int(logits.masked_fill(mask, -torch.inf).argmax())
+            tokens.append(bad)
+            parents.append(parent)
+            tokens.append(bad)  # below a forbidden node: pruned with it
+            parents.append(len(tokens) - 2)
+        return kept
+
+    for a in children(l1, "", -1, 2):
+        na = tokens.index(a)
+        for b in children(l2[a], VOCAB[a], na, 2):
+            nb = max(i for i, (t, q) in enumerate(zip(tokens, parents)) if t == b and q == na)
+            children(l3[a, b], VOCAB[a] + VOCAB[b], nb, 1)
+    return tokens, parents
+
+
+class OracleTreeDrafter(DrafterBase):
+    """Proposes :func:`oracle_tree` at the first output position, nothing later."""
+
+    TREE_NODES = 16
+
+    def __init__(self, tokens: list[int], parents: list[int]) -> None:
+        self.tree = DraftProposal(tokens, parents=parents)
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        return [
+            self.tree if x.max_drafts and x.request.num_output_tokens == 0 else DraftProposal([])
+            for x in batch
+        ]
+
+    def on_verified(self, request, num_drafts: int, num_accepted: int) -> None:
+        pass
+
+
 def make_llm(setup, mode: str, grammar_backend: str = "auto") -> LLM:
+    if mode == "tree":
+        n = BATCH + 20
+        llm = LLM(
+            setup["target"],
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+            seed=99,
+            block_size=4,
+            num_kv_blocks=7 * n + 16,
+            max_model_len=32,
+            max_num_seqs=n,
+            max_num_batched_tokens=n * (len(PROMPT) + OracleTreeDrafter.TREE_NODES + 1),
+            grammar_backend=grammar_backend,
+        )
+        engine = llm.engine
+        engine.drafter = OracleTreeDrafter(*setup["tree"])
+        engine.num_draft_slots = engine.scheduler.num_draft_slots = OracleTreeDrafter.TREE_NODES
+        return llm
     spec = None
     if mode == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 2}
@@ -173,11 +250,12 @@ def sample_counts(llm: LLM, num_calls: int, seed_base: int, greedy_chain=None, t
 
 
 @pytest.mark.parametrize("backend", ["outlines", "llguidance"])
-@pytest.mark.parametrize("mode", ["plain", "ngram", "draft_model"])
+@pytest.mark.parametrize("mode", ["plain", "ngram", "draft_model", "tree"])
 def test_constrained_sampling_is_the_masked_target_distribution(setup, mode, backend):
     llm = make_llm(setup, mode, backend)
     assert llm._grammar_backend().name == backend
-    counts = sample_counts(llm, NUM_CALLS, seed_base=10**6, greedy_chain=setup["greedy"])
+    num_calls = NUM_CALLS // 2 if mode == "tree" else NUM_CALLS  # 25,000 samples: suite time
+    counts = sample_counts(llm, num_calls, seed_base=10**6, greedy_chain=setup["greedy"])
     failed = {}
     for t, c in counts.items():
         res = goodness_of_fit(setup["exact"][t], c)
@@ -188,6 +266,8 @@ def test_constrained_sampling_is_the_masked_target_distribution(setup, mode, bac
     if mode != "plain":
         stats = llm.engine.spec_stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if mode == "tree":  # trees were verified, not cut to a chain: some steps accepted 3 drafts
+        assert stats.accepted_per_position[2] > 0
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
@@ -206,4 +286,23 @@ def test_negative_control_unmasked_draft_probs_fails(setup):
     drafter._draw = draw
     counts = sample_counts(llm, 2, seed_base=7 * 10**6, temperatures=(1.3,))
     res = assert_differs(setup["exact"][1.3], counts[1.3], label="unmasked draft_probs")
+    assert res.pvalue < ALPHA * 1e-3
+
+
+def test_negative_control_tree_rows_masked_at_the_root_fails(setup, monkeypatch):
+    """Tree rows all masked by the grammar state before the tree (the bug of masking a tree like a
+    chain of one row, ignoring each node's path): the second and third tokens follow the wrong masks."""
+    import specdec.engine.verification as verification
+    from grammars.bitmask import allocate_token_bitmask
+
+    def root_only(grammar, tree, vocab_size):
+        bitmask = allocate_token_bitmask(1 + tree.num_nodes, vocab_size)
+        for r in range(1 + tree.num_nodes):
+            grammar.fill_bitmask(bitmask, r)
+        return bitmask
+
+    monkeypatch.setattr(verification, "tree_bitmask", root_only)
+    llm = make_llm(setup, "tree")
+    counts = sample_counts(llm, 2, seed_base=8 * 10**6, temperatures=(1.3,))
+    res = assert_differs(setup["exact"][1.3], counts[1.3], label="tree rows masked at the root")
     assert res.pvalue < ALPHA * 1e-3

@@ -146,12 +146,24 @@ def test_greedy_output_is_the_same_with_and_without_speculation_and_free_rows_ar
                 "num_speculative_tokens": 3,
             }
         )
+        # EAGLE-2 trees: every node masked along its own path, forbidden nodes pruned (issue 20)
+        specs.append(
+            {
+                "method": "eagle",
+                "num_speculative_tokens": 4,
+                "tree": "dynamic",
+                "tree_topk": 3,
+                "max_tree_nodes": 10,
+            }
+        )
     for spec in specs:
         spec_llm = LLM(smollm2_dir, speculative_config=spec, grammar_backend=backend)
         got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
         assert got == plain, spec["method"]
         stats = spec_llm.engine.spec_stats
         assert stats.num_accepted_tokens > 0, spec["method"]
+        if spec.get("tree"):  # trees were verified, not cut to their first path
+            assert stats.num_draft_nodes > stats.num_draft_tokens
         assert spec_llm.engine.kv.num_free_blocks == spec_llm.engine.num_kv_blocks
 
 

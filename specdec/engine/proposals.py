@@ -20,6 +20,7 @@ from specdec.drafters.base import Drafter, DraftInput, DraftProposal
 from specdec.engine.admission import is_index
 from specdec.engine.faults import run_isolated
 from specdec.scheduler import ScheduledRequest
+from specdec.structured import grammar_tree_keep
 
 logger = logging.getLogger("specdec.engine")
 
@@ -139,21 +140,21 @@ def draft_probs_errors(proposals: list[DraftProposal]) -> list[str | None]:
 
 def fit_proposal(s: ScheduledRequest, proposal: DraftProposal) -> None:
     """Fit a checked proposal to the request's slots and depth; a tree that reduces to a chain becomes
-    one, and constrained requests verify chains only (a tree's first path), cut at the first draft the
-    grammar forbids."""
+    one. Under a grammar a chain is cut at the first draft the grammar forbids, and a tree loses every
+    node whose path it forbids (with its subtree) before the slots are counted."""
     tokens = [int(t) for t in proposal.token_ids]
     probs = proposal.draft_probs
+    grammar = s.request.grammar
     if proposal.parents is not None:
         tree = TokenTree(tuple(tokens), tuple(int(q) for q in proposal.parents))
+        if grammar is not None:
+            tree = tree.pruned(grammar_tree_keep(grammar, tree))
         tree = tree.truncated(s.num_draft_slots, s.max_draft_depth)
-        if s.request.grammar is not None:
-            tree = tree.first_path()
         tokens = list(tree.token_ids)
         s.draft_tree = None if tree.is_chain else tree
     else:
         tokens = tokens[: s.max_draft_depth]
-    grammar = s.request.grammar
-    if grammar is not None and tokens:
-        tokens = tokens[: grammar.validate_tokens(tokens)]
+        if grammar is not None and tokens:
+            tokens = tokens[: grammar.validate_tokens(tokens)]
     s.draft_token_ids = tokens
     s.draft_probs = None if probs is None else probs.detach()[: len(tokens)]

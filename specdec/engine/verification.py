@@ -22,7 +22,7 @@ from sampling.verifier import Verifier, VerifyInput
 from specdec.engine.faults import run_isolated
 from specdec.request import Request
 from specdec.scheduler import ScheduledRequest
-from specdec.structured import draft_bitmask
+from specdec.structured import draft_bitmask, tree_bitmask
 
 logger = logging.getLogger("specdec.engine")
 
@@ -48,11 +48,16 @@ def accepted_nodes(result: VerifyResult) -> list[int]:
     return list(range(result.num_accepted))
 
 
-def row_group(req: Request, draft_token_ids: list[int], num_rows: int, vocab_size: int) -> RowGroup:
+def row_group(
+    req: Request,
+    draft_token_ids: list[int],
+    num_rows: int,
+    vocab_size: int,
+    bitmask: torch.Tensor | None = None,
+) -> RowGroup:
     """The processing of ``num_rows`` rows of ``req`` whose prefix is its tokens plus ``draft_token_ids``
-    (with its grammar's token bitmask along the drafts)."""
-    bitmask = None
-    if req.grammar is not None:
+    (with its grammar's token bitmask along the drafts, unless ``bitmask`` gives the rows')."""
+    if req.grammar is not None and bitmask is None:
         bitmask = draft_bitmask(req.grammar, draft_token_ids, num_rows, vocab_size)
     return RowGroup(
         req.sampling_params,
@@ -67,13 +72,17 @@ def row_group(req: Request, draft_token_ids: list[int], num_rows: int, vocab_siz
 
 def row_groups(s: ScheduledRequest, vocab_size: int) -> list[RowGroup]:
     """The verification rows of a request: one group for a chain; for a tree, one row per node, each
-    with its own path as the draft prefix (penalties see the path, not the other branches)."""
+    with its own path as the draft prefix (penalties see the path, not the other branches) and, under a
+    grammar, masked by the grammar state after that path (:func:`specdec.structured.tree_bitmask`)."""
     req, tree = s.request, s.draft_tree
     if tree is None:
         return [row_group(req, s.draft_token_ids, 1 + len(s.draft_token_ids), vocab_size)]
-    groups = [row_group(req, [], 1, vocab_size)]
-    groups.extend(row_group(req, tree.path_tokens(i), 1, vocab_size) for i in range(tree.num_nodes))
-    return groups
+    masks = None if req.grammar is None else tree_bitmask(req.grammar, tree, vocab_size)
+    paths: list[list[int]] = [[]] + [tree.path_tokens(i) for i in range(tree.num_nodes)]
+    return [
+        row_group(req, path, 1, vocab_size, None if masks is None else masks[r : r + 1])
+        for r, path in enumerate(paths)
+    ]
 
 
 @dataclass
