@@ -19,7 +19,14 @@ Our contract (:class:`grammars.base.Grammar`) on top of llguidance's ``LLMatcher
 - EOS is ours: never fed to llguidance, allowed exactly when its matcher is accepting, and after it only
   EOS (so :meth:`LLGuidanceGrammar.is_terminated` is "the last accepted token is an EOS");
 - tokens are fed with ``try_consume_tokens``, which refuses a disallowed token and stays usable
-  (``consume_token`` would put the matcher in a permanent error state).
+  (``consume_token`` would put the matcher in a permanent error state);
+- grammars are compiled with llguidance's ``no_forcing`` option. By default, where the grammar forces a
+  byte string (``cd`` after ``a`` in ``[ab]cd``; a property name), llguidance's mask allows only its
+  canonical tokenization (the token ``cd``, not ``c``) while ``consume_token`` still takes the others:
+  the mask and the matcher then describe different languages, and the masked target differs from the
+  other backends' (found by the forced-drafts distribution test). With ``no_forcing`` every tokenization
+  of the allowed bytes is allowed, as in outlines-core and xgrammar; fast-forward tokens
+  (:meth:`LLGuidanceGrammar.forced_tokens`) are still computed and are drafted, not forced.
 
 Schema keywords: ``strict_schema=True`` compiles in llguidance's default mode, which refuses every
 keyword it does not implement (:class:`UnsupportedSchemaError`); otherwise it compiles with
@@ -52,6 +59,11 @@ from grammars.vocabulary import TokenVocabulary, tokenizer_vocabulary
 
 _NOT_COMPILED = "llguidance cannot compile this grammar: "
 logger = logging.getLogger("grammars.llguidance")
+
+
+def _lark_regex(pattern: str) -> str:
+    """A Lark regex terminal matching ``pattern`` (``/`` escaped)."""
+    return "/" + pattern.replace("/", "\\/") + "/"
 
 
 class LLGuidanceCompiledGrammar(CompiledBase):
@@ -328,7 +340,8 @@ class LLGuidanceBackend(PooledBackend[LLGuidanceCompiledGrammar]):
         return self.vocabulary.fingerprint
 
     def grammar(self, spec: GrammarSpec, lenient: bool) -> str:
-        """The llguidance grammar (JSON text) of ``spec``."""
+        """The llguidance grammar (JSON text) of ``spec``: a Lark grammar with ``no_forcing`` (see the
+        module docstring), the schema inlined with ``%json`` and its options under ``x-guidance``."""
         if spec.kind == "json_schema":
             options: dict[str, Any] = {
                 "whitespace_pattern": spec.whitespace_pattern or DEFAULT_WHITESPACE_PATTERN,
@@ -337,11 +350,16 @@ class LLGuidanceBackend(PooledBackend[LLGuidanceCompiledGrammar]):
             }
             if lenient:
                 options.update(lenient=True, coerce_one_of=True)
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=options)
-        if spec.kind == "choice":
+            schema = json.loads(spec.value)
+            schema["x-guidance"] = options
+            start = "%json " + json.dumps(schema, ensure_ascii=False)
+        elif spec.kind == "choice":
             pattern = "|".join(escape_regex_literal(c) for c in json.loads(spec.value))
-            return llguidance.LLMatcher.grammar_from_regex(pattern)
-        return llguidance.LLMatcher.grammar_from_regex(strip_anchors(spec.value))
+            start = _lark_regex(pattern)
+        else:
+            start = _lark_regex(strip_anchors(spec.value))
+        lark = '%llguidance {"no_forcing": true}\nstart: ' + start
+        return json.dumps({"grammars": [{"lark_grammar": lark}]}, ensure_ascii=False)
 
     def schema_findings(self, spec: GrammarSpec) -> list[str]:
         """What llguidance would not enforce of ``spec`` in lenient mode (its warnings); no warning issued.

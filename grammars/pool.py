@@ -99,6 +99,7 @@ class CompiledBase:
         self.compile_time_s = compile_time_s
         self.ignored_keywords = tuple(ignored_keywords)
         self.eos_token_ids = tuple(e for e in vocabulary.eos_token_ids if 0 <= e < vocab_size)
+        self.vocabulary = vocabulary
 
     @property
     def spec(self) -> GrammarSpec:

@@ -74,6 +74,8 @@ def _generate(args: argparse.Namespace) -> int:
             spec["quantization"] = args.draft_quantization
         if args.spec_policy != "static":
             spec["policy"] = args.spec_policy
+        if args.grammar_forced_drafts:
+            spec["grammar_forced_drafts"] = True
     params = sampling_params_from_args(args)  # before loading the model: a bad constraint fails fast
     llm = LLM(
         args.model,
@@ -219,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=policy_names(),
         default="static",
         help="speculation policy: draft depth per request and step (default: %(default)s)",
+    )
+    g.add_argument(
+        "--grammar-forced-drafts",
+        action="store_true",
+        help="append the tokens a constrained request's grammar forces to the drafter's chains",
     )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)

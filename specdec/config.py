@@ -176,7 +176,7 @@ DEFAULT_TREE_CHOICES: tuple[tuple[int, ...], ...] = (
 #: (``register_drafter(fields=...)``) and keep their defaults elsewhere.
 _COMMON_FIELDS = (
     "method", "num_speculative_tokens", "model", "draft_dtype", "tree", "drafter_kwargs",
-    "policy", "policy_kwargs",
+    "policy", "policy_kwargs", "grammar_forced_drafts",
 )  # fmt: skip
 
 
@@ -189,7 +189,8 @@ class SpeculativeConfig:
     "draft_model" (a smaller model with the target's tokenizer; Leviathan et al. 2023, Chen et al. 2023),
     "quantized_self" (the target's own weights quantized, see ``quantization``: a draft model that needs
     no second checkpoint), "medusa" (Medusa-1 heads, Cai et al. 2024), "eagle" (an EAGLE head, Li et al.
-    2024).
+    2024), "grammar" (the tokens a request's grammar forces, no model: jump-forward decoding verified as
+    drafts).
 
     Attributes:
         method: a registered drafter's name (:func:`specdec.drafters.drafter_names`).
@@ -219,6 +220,9 @@ class SpeculativeConfig:
             :mod:`specdec.policies`.
         policy_kwargs: keyword arguments of the policy's constructor (``"static"``: ``depth``;
             ``"batch_size"``: ``schedule``; ``"goodput"`` / ``"ucb"``: see their classes).
+        grammar_forced_drafts: constrained requests' chains are cut at the first token their grammar
+            forbids and extended by the tokens it forces (up to k): see
+            :mod:`specdec.drafters.grammar_forced`. Exact; it only adds drafts.
 
     Raises:
         ConfigError (a ValueError): unknown method (the message names the registered ones), k outside
@@ -240,6 +244,7 @@ class SpeculativeConfig:
     drafter_kwargs: dict | None = None
     policy: str = "static"
     policy_kwargs: dict | None = None
+    grammar_forced_drafts: bool = False
 
     def __post_init__(self) -> None:
         from specdec.drafters.registry import drafter_names, get_drafter
@@ -260,6 +265,8 @@ class SpeculativeConfig:
             raise ConfigError(f"model must be a name or a directory (str), got {self.model!r}")
         if self.drafter_kwargs is not None and not isinstance(self.drafter_kwargs, dict):
             raise ConfigError(f"drafter_kwargs must be a dict, got {self.drafter_kwargs!r}")
+        if not isinstance(self.grammar_forced_drafts, bool):
+            raise ConfigError(f"grammar_forced_drafts must be a bool, got {self.grammar_forced_drafts!r}")
         if self.tree not in TREE_KINDS:
             raise ConfigError(f"tree must be one of {TREE_KINDS}, got {self.tree!r}")
         if self.tree not in entry.trees:

@@ -115,3 +115,112 @@ def tree_bitmask(grammar: Grammar, tree: TokenTree, vocab_size: int) -> torch.Te
     bitmask = allocate_token_bitmask(1 + tree.num_nodes, vocab_size)
     _walk_tree(grammar, tree, lambda node: grammar.fill_bitmask(bitmask, node + 1))
     return bitmask
+
+
+def forced_tokens(
+    grammar: Grammar,
+    max_tokens: int,
+    vocab_size: int,
+    eos_token_ids: Collection[int],
+    context: Sequence[int] = (),
+) -> list[int]:
+    """Up to ``max_tokens`` tokens the grammar forces from its current state, never EOS; the grammar is
+    left as it was.
+
+    A backend's ``forced_tokens()`` hook (fast-forward tokens) answers first, if it has one. Then, step
+    by step (:func:`_forced_by_mask`): the only token the mask allows; or, where every allowed token's
+    bytes are a prefix of the longest one's (``c`` and ``cd`` when the grammar forces ``cd``), that
+    longest token; or, where that holds once optional leading whitespace is set aside (``"`` and
+    `` "`` after ``,`` in JSON), the variant the request's own text chose after the same byte the last
+    time (``context``: its token ids, the drafts before these included). The walk stops at a real choice
+    or where EOS is allowed. Drafting them is exact whatever they are (they are verified like any draft);
+    a token that is the only one allowed has probability 1 under the masked target and is always
+    accepted, the others are accepted unless the target prefers another tokenization or spacing.
+    """
+    from grammars.bitmask import allocate_token_bitmask
+
+    out: list[int] = []
+    hook = getattr(grammar, "forced_tokens", None)
+    if hook is not None and max_tokens > 0:
+        for t in hook()[:max_tokens]:
+            if t in eos_token_ids or not 0 <= t < vocab_size or not grammar.accept_token(t):
+                break
+            out.append(t)
+    vocabulary = getattr(getattr(grammar, "compiled", None), "vocabulary", None)
+    text = b""
+    if vocabulary is not None:
+        text = b"".join(_piece(vocabulary, t) for t in list(context[-_CONTEXT_TOKENS:]) + out)
+    try:
+        row = allocate_token_bitmask(1, vocab_size)
+        while len(out) < max_tokens and not grammar.is_terminated():
+            grammar.fill_bitmask(row, 0)
+            t = _forced_by_mask(row[0], vocabulary, eos_token_ids, text)
+            if t is None or not grammar.accept_token(t):
+                break
+            out.append(t)
+            text += _piece(vocabulary, t)
+    finally:
+        grammar.rollback(len(out))
+    return out
+
+
+#: more allowed tokens than this at a step is a real choice (not a forced string's tokenizations)
+_MAX_PREFIX_CHAIN = 16
+#: the request's last tokens searched for its spacing habits
+_CONTEXT_TOKENS = 256
+_WHITESPACE = (b" ", b"\t", b"\n", b"\r")
+
+
+def _piece(vocabulary, t: int) -> bytes:
+    b = vocabulary.token_bytes[t] if vocabulary is not None and 0 <= t < vocabulary.size else None
+    return b or b""
+
+
+def _allowed_ids(row: torch.Tensor, limit: int) -> list[int] | None:
+    """The ids set in a packed row ``[ceil(V / 32)]``, or None when more than ``limit``."""
+    words = row.nonzero().flatten().tolist()
+    if len(words) > limit:
+        return None
+    allowed: list[int] = []
+    for w in words:
+        bits = int(row[w]) & 0xFFFFFFFF
+        while bits:
+            low = bits & -bits
+            allowed.append(32 * w + low.bit_length() - 1)
+            bits ^= low
+            if len(allowed) > limit:
+                return None
+    return allowed
+
+
+def _longest_of_chain(ids: list[int], pieces: list[bytes]) -> int | None:
+    """The id of the longest piece when every piece is a prefix of it, else None."""
+    longest = max(range(len(ids)), key=lambda i: len(pieces[i]))
+    return ids[longest] if all(pieces[longest].startswith(p) for p in pieces) else None
+
+
+def _forced_by_mask(row: torch.Tensor, vocabulary, eos_token_ids: Collection[int], text: bytes) -> int | None:
+    """The forced token of one packed mask row ``[ceil(V / 32)]`` (see :func:`forced_tokens`), or None."""
+    allowed = _allowed_ids(row, _MAX_PREFIX_CHAIN)
+    if not allowed or any(t in eos_token_ids for t in allowed):
+        return None
+    if len(allowed) == 1:
+        return allowed[0]
+    if vocabulary is None:
+        return None
+    pieces = [_piece(vocabulary, t) for t in allowed]
+    if not all(pieces):
+        return None
+    forced = _longest_of_chain(allowed, pieces)
+    if forced is not None or not text:
+        return forced
+    # optional whitespace: what followed the same byte the last time
+    last = text[-1:]
+    seen = text[:-1].rfind(last)
+    if seen < 0:
+        return None
+    spaced = text[seen + 1 : seen + 2] in _WHITESPACE
+    keep = [i for i, p in enumerate(pieces) if (p[:1] in _WHITESPACE) == spaced]
+    if not keep:
+        return None
+    return _longest_of_chain([allowed[i] for i in keep], [pieces[i] for i in keep])

@@ -43,6 +43,8 @@ VOCAB = ["a", "b", "</s>", "c", "d", "ab", "ba", "cd"]
 V = len(VOCAB)
 EOS = 2
 REGEX = "a[ab]*c[abd]*dd"
+#: after the first token the grammar forces the bytes "cd": "c" then "d", or the token "cd"
+FORCED_REGEX = "[ab]cd[ab]d"
 PROMPT = [0, 5, 3, 4, 1, 6, 7, 0]
 TEMPERATURES = (0.8, 1.3)
 K = 2
@@ -65,9 +67,9 @@ def save_tokenizer(path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(path)
 
 
-def match_prefixes(max_len: int = 9) -> set[str]:
-    """Every prefix of every string over a-d of length <= max_len that fully matches REGEX."""
-    pattern = re.compile(REGEX)
+def match_prefixes(regex: str = REGEX, max_len: int = 9) -> set[str]:
+    """Every prefix of every string over a-d of length <= max_len that fully matches ``regex``."""
+    pattern = re.compile(regex)
     prefixes: set[str] = set()
     for n in range(1, max_len + 1):
         for chars in itertools.product("abcd", repeat=n):
@@ -77,25 +79,23 @@ def match_prefixes(max_len: int = 9) -> set[str]:
     return prefixes
 
 
-def allowed_mask(text: str, prefixes: set[str]) -> torch.Tensor:
+def allowed_mask(text: str, prefixes: set[str], regex: str = REGEX) -> torch.Tensor:
     """``[V]`` bool: tokens that keep ``text`` a prefix of a match (EOS: ``text`` is a full match)."""
     mask = torch.zeros(V, dtype=torch.bool)
     for i, t in enumerate(VOCAB):
         if i == EOS:
-            mask[i] = re.fullmatch(REGEX, text) is not None
+            mask[i] = re.fullmatch(regex, text) is not None
         else:
             mask[i] = (text + t) in prefixes
     return mask
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("structured_dist")
-    target = save_target_and_draft(root, V, TARGET_SEED, DRAFT_SEED)
-    save_tokenizer(root / "target")
-    prefixes = match_prefixes()
-    l1, l2, l3 = first_three_logits(target, PROMPT, V)
-    masks1 = allowed_mask("", prefixes)
+def exact_joints(logits, regex: str) -> tuple[dict[float, object], list[int]]:
+    """Per temperature the exact masked joint ``[V, V, V]`` of the first three tokens under ``regex``,
+    and the masked greedy chain."""
+    l1, l2, l3 = logits
+    prefixes = match_prefixes(regex)
+    masks1 = allowed_mask("", prefixes, regex)
     exact = {}
     for t in TEMPERATURES:
 
@@ -108,22 +108,34 @@ def setup(tmp_path_factory):
             if p1[a] == 0:
                 continue
             ta = VOCAB[a]
-            p2 = dist(l2[a], allowed_mask(ta, prefixes))
+            p2 = dist(l2[a], allowed_mask(ta, prefixes, regex))
             for b in range(V):
                 if p2[b] == 0:
                     continue
-                p3 = dist(l3[a, b], allowed_mask(ta + VOCAB[b], prefixes))
+                p3 = dist(l3[a, b], allowed_mask(ta + VOCAB[b], prefixes, regex))
                 joint[a, b] = p1[a] * p2[b] * p3
         exact[t] = joint.numpy()
     a = int(l1.masked_fill(~masks1, -torch.inf).argmax())
-    b = int(l2[a].masked_fill(~allowed_mask(VOCAB[a], prefixes), -torch.inf).argmax())
-    c = int(l3[a, b].masked_fill(~allowed_mask(VOCAB[a] + VOCAB[b], prefixes), -torch.inf).argmax())
+    b = int(l2[a].masked_fill(~allowed_mask(VOCAB[a], prefixes, regex), -torch.inf).argmax())
+    c = int(l3[a, b].masked_fill(~allowed_mask(VOCAB[a] + VOCAB[b], prefixes, regex), -torch.inf).argmax())
+    return exact, [a, b, c]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("structured_dist")
+    target = save_target_and_draft(root, V, TARGET_SEED, DRAFT_SEED)
+    save_tokenizer(root / "target")
+    logits = first_three_logits(target, PROMPT, V)
+    exact, greedy = exact_joints(logits, REGEX)
+    forced_exact, forced_greedy = exact_joints(logits, FORCED_REGEX)
     return {
         "target": root / "target",
         "draft": root / "draft",
         "exact": exact,
-        "greedy": [a, b, c],
-        "tree": oracle_tree(l1, l2, l3, prefixes),
+        "greedy": greedy,
+        "tree": oracle_tree(*logits, match_prefixes()),
+        "forced": {"exact": forced_exact, "greedy": forced_greedy},
     }
 
 
@@ -205,12 +217,21 @@ def make_llm(setup, mode: str, grammar_backend: str = "auto") -> LLM:
         engine.num_draft_slots = engine.scheduler.num_draft_slots = OracleTreeDrafter.TREE_NODES
         return llm
     spec = None
+    if mode == "grammar":  # the grammar's forced tokens alone (the longest of c / cd: cd)
+        spec = {"method": "grammar", "num_speculative_tokens": 3}
+    if mode == "forced":  # the grammar's forced tokens drafted after a draft model's sampled token
+        spec = {
+            "method": "draft_model",
+            "model": str(setup["draft"]),
+            "num_speculative_tokens": 3,
+            "grammar_forced_drafts": True,
+        }
     if mode == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 2}
     elif mode == "draft_model":
         spec = {"method": "draft_model", "model": str(setup["draft"]), "num_speculative_tokens": K}
     n = BATCH + 20
-    return LLM(
+    llm = LLM(
         setup["target"],
         speculative_config=spec,
         seed=99,
@@ -221,9 +242,23 @@ def make_llm(setup, mode: str, grammar_backend: str = "auto") -> LLM:
         max_num_batched_tokens=n * (len(PROMPT) + K + 1),
         grammar_backend=grammar_backend,
     )
+    if mode == "forced":  # the draft model's chain cut to its first token: the forced drafts follow it
+        inner = llm.engine.drafter.inner
+        propose = inner.propose
+
+        def first_only(batch):
+            return [
+                DraftProposal(p.token_ids[:1], None if p.draft_probs is None else p.draft_probs[:1])
+                for p in propose(batch)
+            ]
+
+        inner.propose = first_only
+    return llm
 
 
-def sample_counts(llm: LLM, num_calls: int, seed_base: int, greedy_chain=None, temperatures=TEMPERATURES):
+def sample_counts(
+    llm: LLM, num_calls: int, seed_base: int, greedy_chain=None, temperatures=TEMPERATURES, regex=REGEX
+):
     samples: dict[float, list[list[int]]] = {t: [] for t in temperatures}
     for call in range(num_calls):
         params, kinds = [], []
@@ -231,10 +266,10 @@ def sample_counts(llm: LLM, num_calls: int, seed_base: int, greedy_chain=None, t
             t = temperatures[i % len(temperatures)]
             seed = seed_base + call * BATCH + i if (i // len(temperatures)) % 2 else None
             mt = 3 + (i // (2 * len(temperatures))) % 2
-            params.append(SamplingParams(temperature=t, seed=seed, max_tokens=mt, regex=REGEX))
+            params.append(SamplingParams(temperature=t, seed=seed, max_tokens=mt, regex=regex))
             kinds.append(t)
             if greedy_chain is not None and i % 250 == 0:
-                params.append(SamplingParams(temperature=0, max_tokens=3, regex=REGEX))
+                params.append(SamplingParams(temperature=0, max_tokens=3, regex=regex))
                 kinds.append("greedy")
                 params.append(SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))  # a free row
                 kinds.append("free")
@@ -305,4 +340,52 @@ def test_negative_control_tree_rows_masked_at_the_root_fails(setup, monkeypatch)
     llm = make_llm(setup, "tree")
     counts = sample_counts(llm, 2, seed_base=8 * 10**6, temperatures=(1.3,))
     res = assert_differs(setup["exact"][1.3], counts[1.3], label="tree rows masked at the root")
+    assert res.pvalue < ALPHA * 1e-3
+
+
+@pytest.mark.parametrize(
+    ("mode", "backend"), [("forced", "outlines"), ("forced", "llguidance"), ("grammar", "auto")]
+)
+def test_forced_drafts_keep_the_masked_target_distribution(setup, mode, backend):
+    """Grammar-aware drafting (issue 20) under FORCED_REGEX ``[ab]cd[ab]d``. ``forced``: a draft model
+    samples one token (its ``draft_probs`` row: ``c`` or ``cd`` after ``a``/``b``) and the wrapper
+    appends what the grammar forces after it (``d`` after ``c``; k = 3) with one-hot rows. ``grammar``:
+    the forced tokens alone, deterministic; after ``a``/``b`` the allowed ``c`` and ``cd`` are a prefix
+    chain, so ``cd`` is drafted and the target rejects it whenever it samples ``c``. 25,000 samples
+    against the exact masked joint, per temperature."""
+    llm = make_llm(setup, mode, backend)
+    forced = setup["forced"]
+    counts = sample_counts(llm, NUM_CALLS // 2, 2 * 10**6, forced["greedy"], regex=FORCED_REGEX)
+    failed = {}
+    for t, c in counts.items():
+        res = goodness_of_fit(forced["exact"][t], c)
+        print(f"[gof] forced drafts {backend} T={t}: {res.describe()}")
+        if res.pvalue < ALPHA:
+            failed[t] = res.describe()
+    assert not failed, failed
+    stats = llm.engine.spec_stats
+    assert llm.engine.drafter.num_forced_drafts > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_negative_control_forced_drafts_with_uniform_rows_fail(setup, monkeypatch):
+    """Forced drafts reported as drawn uniformly over the vocabulary (q = 1/V instead of 1): acceptance
+    ``min(1, p / q)`` becomes far too generous for ``cd``, and the joint must move."""
+    import specdec.drafters.grammar_forced as grammar_forced
+
+    real = grammar_forced.GrammarForcedDrafter._extend
+
+    def uniform_rows(self, x, proposal):
+        out = real(self, x, proposal)
+        if out.draft_probs is not None and len(out.token_ids) > len(proposal.token_ids[:1]):
+            probs = out.draft_probs.clone()
+            probs[1:] = 1.0 / probs.shape[-1]
+            out = grammar_forced.DraftProposal(out.token_ids, probs)
+        return out
+
+    monkeypatch.setattr(grammar_forced.GrammarForcedDrafter, "_extend", uniform_rows)
+    llm = make_llm(setup, "forced", "llguidance")
+    counts = sample_counts(llm, 2, seed_base=9 * 10**6, temperatures=(1.3,), regex=FORCED_REGEX)
+    res = assert_differs(setup["forced"]["exact"][1.3], counts[1.3], label="forced drafts, uniform rows")
     assert res.pvalue < ALPHA * 1e-3

@@ -136,7 +136,10 @@ def test_greedy_output_is_the_same_with_and_without_speculation_and_free_rows_ar
     free_alone = llm.generate(prompts[4], params[4])[0].outputs[0].token_ids
     assert plain[4] == free_alone
     specs: list[dict] = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}]
-    if backend == "llguidance":  # the default ("auto") backend's; outlines-core: n-gram only (suite time)
+    if backend == "outlines":  # the grammar's forced tokens alone (issue 20)
+        specs.append({"method": "grammar", "num_speculative_tokens": 6})
+    if backend == "llguidance":
+        specs[0]["grammar_forced_drafts"] = True  # n-gram chains extended by the forced tokens  # the default ("auto") backend's; outlines-core: n-gram only (suite time)
         # SmolLM2 in bfloat16 drafting for itself in float32: mostly, not always, the same argmax.
         specs.append(
             {
@@ -164,6 +167,8 @@ def test_greedy_output_is_the_same_with_and_without_speculation_and_free_rows_ar
         assert stats.num_accepted_tokens > 0, spec["method"]
         if spec.get("tree"):  # trees were verified, not cut to their first path
             assert stats.num_draft_nodes > stats.num_draft_tokens
+        if spec.get("grammar_forced_drafts") or spec["method"] == "grammar":
+            assert spec_llm.engine.drafter.num_forced_drafts > 0
         assert spec_llm.engine.kv.num_free_blocks == spec_llm.engine.num_kv_blocks
 
 

@@ -45,6 +45,7 @@ _BUILTIN_MODULES = (
     "specdec.drafters.draft_model",
     "specdec.drafters.medusa",
     "specdec.drafters.eagle",
+    "specdec.drafters.grammar_forced",
 )
 
 #: Methods of the Drafter Protocol a registered drafter must have (callable).
@@ -164,7 +165,9 @@ def unregister_drafter(name: str) -> None:
 
 
 def build_drafter(ctx: DrafterContext) -> Drafter:
-    """Build the drafter of ``ctx.config.method`` and check it follows the :class:`Drafter` Protocol.
+    """Build the drafter of ``ctx.config.method`` and check it follows the :class:`Drafter` Protocol;
+    with ``grammar_forced_drafts`` it is wrapped in
+    :class:`~specdec.drafters.grammar_forced.GrammarForcedDrafter`.
 
     Raises:
         ConfigError: unknown method, or the built object lacks a Protocol method or
@@ -174,6 +177,11 @@ def build_drafter(ctx: DrafterContext) -> Drafter:
     entry = get_drafter(ctx.config.method)
     drafter = entry.factory(ctx, **(ctx.config.drafter_kwargs or {}))
     check_protocol(drafter, entry.name)
+    if ctx.config.grammar_forced_drafts:
+        from specdec.drafters.grammar_forced import GrammarForcedDrafter
+
+        if not isinstance(drafter, GrammarForcedDrafter):
+            drafter = GrammarForcedDrafter(drafter, ctx.vocab_size)
     return drafter
 
 
