@@ -2,26 +2,31 @@
 backend, with SmolLM2.
 
 For a deterministic sample of schemas (``per_subset`` smallest of each subset, or all of them with
-``per_subset=null``) and each backend of ``backends`` (``auto``, ``llguidance``, ``outlines``):
+``per_subset=null``) and each backend of ``backends`` (``auto``, ``llguidance``, ``xgrammar``, ``outlines``):
 
 - compile success rate, failures by error class, compile time p50 / p90 (one at a time, 10 s limit);
   for ``auto`` the backend it chose per schema;
 - the instance walk: every valid and invalid instance of each compiled schema, serialised compactly,
   fed token by token (SmolLM2's tokenizer) through a fresh matcher, as it is and with its object keys
-  in schema order (:func:`in_schema_order`; both backends emit properties in that order, a documented
+  in schema order (:func:`in_schema_order`; every backend emits properties in that order, a documented
   narrowing): valid instances accepted, invalid ones rejected in either order; an invalid instance
   accepted by a grammar that reports nothing ignored is a failure of the backend
   (``invalid_accepted_unexplained``), one accepted where it reports ignored keywords cannot be judged;
-- SmolLM2 generates one object per compiled schema (short chat prompt asking for an example, greedy,
-  ``max_tokens`` 256, all schemas in one continuously batched ``generate``), with and without n-gram
-  speculation: finished outputs that parse as JSON and that are schema-valid (``jsonschema``), the
-  share ended by length, and per-token mask time p50 / p99 (µs; ``Grammar.fill_bitmask`` calls timed
-  in place);
+- SmolLM2 generates one object per schema for ``generate_schemas`` compiled schemas evenly spread
+  through them (short chat prompt asking for an example, greedy, ``max_tokens`` 256, all in one
+  continuously batched ``generate``) in each of ``modes`` (plain; n-gram; n-gram with the grammar's
+  forced tokens; the forced tokens alone; EAGLE chains; EAGLE-2 trees, every node masked along its own
+  path): finished outputs that parse as JSON and that are schema-valid (``jsonschema``), the share
+  ended by length, τ, tokens per target forward over all decode steps, the share of outputs identical
+  to plain decoding, and per-token mask time p50 / p99 (µs; ``Grammar.fill_bitmask`` calls timed in
+  place); ``figure`` plots the modes;
 - decode speed at batch 1 on ``speed_prompts`` schemas: tokens/s with the grammar vs the same prompts
   without it, each with and without n-gram speculation (same process, same prompts; first backend).
 
     python -m experiments.bench_grammar per_subset=5 out=grammar_bench.json
-    python -m experiments.bench_grammar per_subset=null 'backends=[auto,llguidance,outlines]'
+    python -m experiments.bench_grammar per_subset=null 'backends=[auto,llguidance,outlines,xgrammar]'
+    python -m experiments.bench_grammar per_subset=null generate_schemas=32 \\
+        'modes=[plain,ngram,ngram_forced,grammar,eagle_chain,eagle_tree]' figure=docs/grammar_modes.png
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ class BenchGrammarConfig(HarnessConfig):
     per_subset: the smallest schemas of each subset (null: every schema).
     backends: grammar backends compared (``grammar_backend`` names).
     generate: also generate with SmolLM2 (false: compile and instance walks only).
+    generate_schemas: schemas generated for, evenly spread through the compiled ones (null: all).
+    modes: generation modes (:data:`GENERATION_MODES`: plain, ngram, ngram_forced, grammar,
+        eagle_chain, eagle_tree).
+    figure: write the modes' tokens-per-forward and τ bars here (a PNG path; null: none).
     max_tokens: of the batched generation.
     speed_prompts: schemas of the batch-1 speed figures.
     speed_max_tokens: new tokens per batch-1 request at most.
@@ -63,12 +72,18 @@ class BenchGrammarConfig(HarnessConfig):
     speed_max_tokens: int = 96
     backends: list[str] = field(default_factory=lambda: ["auto"])
     generate: bool = True
+    generate_schemas: int | None = 32
+    modes: list[str] = field(default_factory=lambda: ["plain", "ngram"])
+    figure: str | None = None
 
     def validate(self) -> None:
         super().validate()
         from grammars.registry import GRAMMAR_BACKENDS
 
         require_subset("backends", self.backends, GRAMMAR_BACKENDS)
+        require_subset("modes", self.modes, GENERATION_MODES)
+        if self.generate_schemas is not None and self.generate_schemas < 1:
+            raise ConfigError(f"generate_schemas must be >= 1 or null, got {self.generate_schemas}")
         if self.per_subset is not None and self.per_subset < 1:
             raise ConfigError(f"per_subset must be >= 1 or null (every schema), got {self.per_subset}")
         require_positive(self, "max_tokens", "speed_prompts", "speed_max_tokens")
@@ -108,8 +123,10 @@ class MaskTimer:
     def __init__(self) -> None:
         from grammars.llguidance_backend import LLGuidanceGrammar
         from grammars.outlines_backend import OutlinesGrammar
+        from grammars.xgrammar_backend import XGrammarGrammar
 
-        self.originals = {cls: cls.fill_bitmask for cls in (OutlinesGrammar, LLGuidanceGrammar)}
+        classes = (OutlinesGrammar, LLGuidanceGrammar, XGrammarGrammar)
+        self.originals = {cls: cls.fill_bitmask for cls in classes}
         self.times_us: list[float] = []
         for cls, original in self.originals.items():
             cls.fill_bitmask = self._timed(original)  # type: ignore[method-assign]
@@ -145,7 +162,7 @@ def walk(compiled: Any, tokenizer: Any, value: Any) -> bool:
 
 
 def in_schema_order(value: Any, node: Any, root: dict[str, Any], depth: int = 0) -> Any:
-    """``value`` with every object's keys in the order of its schema's ``properties`` (the order both
+    """``value`` with every object's keys in the order of its schema's ``properties`` (the order the
     backends' grammars emit; other keys after them), following ``$ref`` s, ``items``/``prefixItems``,
     and the first ``anyOf``/``oneOf``/``allOf`` branch ``jsonschema`` finds ``value`` valid under."""
     from jsonschema import validators
@@ -262,14 +279,45 @@ def compile_and_walk(backend: Any, tokenizer: Any, docs: list[tuple[dict[str, An
     return {"report": report, "compiled": compiled_docs}
 
 
-def generate_all(llm: Any, backend: Any, compiled_docs: list, max_tokens: int) -> dict[str, Any]:
-    """Greedy generation for every compiled schema, plain and with n-gram speculation."""
+#: generation modes: label -> speculative_config (None: plain decoding)
+GENERATION_MODES: dict[str, dict[str, Any] | None] = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "ngram_forced": {"method": "ngram", "num_speculative_tokens": 4, "grammar_forced_drafts": True},
+    "grammar": {"method": "grammar", "num_speculative_tokens": 4},
+    "eagle_chain": {"method": "eagle", "num_speculative_tokens": 4},
+    "eagle_tree": {
+        "method": "eagle",
+        "num_speculative_tokens": 4,
+        "tree": "dynamic",
+        "tree_topk": 4,
+        "max_tree_nodes": 16,
+    },
+}
+
+
+def spread(items: list[Any], n: int | None) -> list[Any]:
+    """``n`` items evenly spaced through ``items`` (all of them when ``n`` is None or larger)."""
+    if n is None or n >= len(items):
+        return items
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
+def generate_all(
+    llm: Any, backend: Any, compiled_docs: list, max_tokens: int, modes: list[str]
+) -> dict[str, Any]:
+    """Greedy generation for every schema of ``compiled_docs``, per mode of ``modes``
+    (:data:`GENERATION_MODES`). ``tokens_per_forward`` is generated tokens per target forward over all
+    decode steps (steps that drafted nothing included): ``generated / (generated - accepted)``; τ
+    (``mean_acceptance_length``) counts only the steps that drafted."""
     from sampling.params import SamplingParams
     from specdec import LLM
 
     prompts = [prompt_for(llm, doc["schema"]) for _, doc, _ in compiled_docs]
     out: dict[str, Any] = {}
-    for label, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
+    plain_tokens: list[list[int]] | None = None
+    for label in modes:
+        spec = GENERATION_MODES[label]
         runner = llm if spec is None else LLM("smollm2-135m-instruct", speculative_config=spec)
         runner.engine.grammar_backend = backend
         timer = MaskTimer()
@@ -287,9 +335,18 @@ def generate_all(llm: Any, backend: Any, compiled_docs: list, max_tokens: int) -
             if o.outputs[0].finish_reason == "stop"
         ]
         clean = [o for o, c in finished if not c.ignored_keywords]
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        accepted = sum(o.metrics.get("num_accepted_tokens", 0) for o in outs)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        if plain_tokens is None and spec is None:
+            plain_tokens = tokens
         out[label] = {
             "wall_s": wall,
-            "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "generated_tokens": generated,
+            "tokens_per_forward": generated / max(generated - accepted, 1),
+            "same_as_plain": None
+            if plain_tokens is None
+            else sum(a == b for a, b in zip(tokens, plain_tokens)) / len(tokens),
             "finished": len(finished),
             "finished_parse_share": sum(parses(o.text) for o, _ in finished) / max(len(finished), 1),
             "finished_not_parsing": [
@@ -307,8 +364,46 @@ def generate_all(llm: Any, backend: Any, compiled_docs: list, max_tokens: int) -
             "num_mask_calls": len(timer.times_us),
         }
         if spec is not None:
-            out[label]["mean_acceptance_length"] = runner.engine.spec_stats.mean_acceptance_length
+            stats = runner.engine.spec_stats
+            out[label]["mean_acceptance_length"] = stats.mean_acceptance_length
+            out[label]["num_draft_nodes"] = stats.num_draft_nodes
+            out[label]["num_forced_drafts"] = getattr(runner.engine.drafter, "num_forced_drafts", 0)
         print(json.dumps({label: {k: v for k, v in out[label].items() if k != "finished_not_parsing"}}))
+        if runner is not llm:
+            del runner
+    return out
+
+
+def plot_modes(report: dict[str, Any], path: str) -> Path:
+    """Tokens per target forward and τ per generation mode, one group of bars per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = {n: r["generation"] for n, r in report["backends"].items() if r.get("generation")}
+    modes = list(next(iter(backends.values())))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(backends)
+    for ax, key, title in (
+        (axes[0], "tokens_per_forward", "tokens per target forward (all decode steps)"),
+        (axes[1], "mean_acceptance_length", "τ (steps that drafted)"),
+    ):
+        for i, (name, gen) in enumerate(backends.items()):
+            values = [gen[m].get(key, 1.0) for m in modes]
+            bars = ax.bar([j + i * width for j in range(len(modes))], values, width, label=name)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes, rotation=20, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.axhline(1.0, color="grey", linewidth=0.5)
+        ax.legend(fontsize=8)
+    n = report.get("num_generation_schemas", "?")
+    fig.suptitle(f"SmolLM2-135M under JSON schemas (JSONSchemaBench, {n} schemas, greedy)", fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
     return out
 
 
@@ -336,12 +431,16 @@ def run(cfg: BenchGrammarConfig) -> dict[str, Any]:
         entry = result["report"]
         print(json.dumps({name: {k: v for k, v in entry.items() if not k.endswith("_files")}}))
         if cfg.generate:
-            entry["generation"] = generate_all(llm, backend, result["compiled"], cfg.max_tokens)
+            chosen = spread(result["compiled"], cfg.generate_schemas)
+            report["num_generation_schemas"] = len(chosen)
+            entry["generation"] = generate_all(llm, backend, chosen, cfg.max_tokens, cfg.modes)
         report["backends"][name] = entry
         if first is None:
             first = (backend, result["compiled"])
     if not cfg.generate or first is None:
         return report
+    if cfg.figure:
+        report["figure"] = str(plot_modes(report, cfg.figure))
     # Decode speed at batch 1 (the first backend): grammar vs none, plain vs ngram.
     backend, compiled_docs = first
     speed: dict[str, float] = {}
@@ -389,6 +488,26 @@ def format_table(report: dict[str, Any]) -> str:
             f"| {1e3 * p50:.1f} / {1e3 * p90:.1f} | {parse or '-'} "
             f"| {mask.get('mask_us_p50') or 0:.0f} / {mask.get('mask_us_p99') or 0:.0f} |"
         )
+    for name, r in report["backends"].items():
+        gen = r.get("generation")
+        if not gen:
+            continue
+        lines += [
+            "",
+            f"{name}, {report.get('num_generation_schemas')} schemas, greedy:",
+            "| mode | finished | parse | valid | length | τ | tokens / forward | = plain | forced drafts "
+            "| mask p50 / p99 (µs) | wall (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for mode, g in gen.items():
+            same = g.get("same_as_plain")
+            lines.append(
+                f"| {mode} | {g['finished']} | {g['finished_parse_share']:.0%} "
+                f"| {g['finished_valid_share']:.0%} | {g['length_share']:.0%} "
+                f"| {g.get('mean_acceptance_length', 1.0):.2f} | {g['tokens_per_forward']:.2f} "
+                f"| {'-' if same is None else f'{same:.0%}'} | {g.get('num_forced_drafts', 0)} "
+                f"| {g['mask_us_p50'] or 0:.0f} / {g['mask_us_p99'] or 0:.0f} | {g['wall_s']:.0f} |"
+            )
     if "speed_batch1" in report:
         lines.append(json.dumps(report["speed_batch1"]))
     return "\n".join(lines)

@@ -67,11 +67,14 @@ class DrafterConfig:
     Attributes:
         policy: the speculation policy (``drafter.policy=batch_size``; :mod:`specdec.policies`).
         policy_kwargs: its parameters (``'+drafter.policy_kwargs.schedule=[[4,4],[16,1]]'``).
+        grammar_forced_drafts: constrained requests' chains are extended by the tokens their grammar
+            forces (``drafter.grammar_forced_drafts=true``; :mod:`specdec.drafters.grammar_forced`).
     """
 
     method: str = MISSING
     policy: str = "static"
     policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    grammar_forced_drafts: bool = False
 
     def speculative_config(self) -> dict[str, Any] | None:
         """The ``speculative_config`` argument of ``specdec.LLM`` (None: no speculation): the drafter's
@@ -80,6 +83,8 @@ class DrafterConfig:
         if spec is not None and (self.policy != "static" or self.policy_kwargs):
             spec["policy"] = self.policy
             spec["policy_kwargs"] = dict(self.policy_kwargs) or None
+        if spec is not None and self.grammar_forced_drafts:
+            spec["grammar_forced_drafts"] = True
         return spec
 
     def _method_config(self) -> dict[str, Any] | None:
@@ -463,8 +468,8 @@ class EngineConfig:
         compile_buckets: token buckets of the compiled forward (None: the library's default).
         adaptive_threads: on the CPU, use only the cores other processes leave free (``specdec.LLM``'s
             ``cpu_threads="auto"``, at most ``torch_threads``); False: a fixed count.
-        grammar_backend: what compiles the ``grammar`` group's constraints: ``auto``, ``llguidance``
-            or ``outlines`` (``specdec.LLM``'s ``grammar_backend``; :mod:`grammars.registry`).
+        grammar_backend: what compiles the ``grammar`` group's constraints: ``auto``, ``llguidance``,
+            ``xgrammar`` or ``outlines`` (``specdec.LLM``'s ``grammar_backend``; :mod:`grammars.registry`).
     """
 
     dtype: Dtype | None = None

@@ -1,9 +1,10 @@
-"""Constrained decoding: grammar Protocol, backends (llguidance, outlines-core, "auto"), token bitmasks.
+"""Constrained decoding: grammar Protocol, backends (llguidance, xgrammar, outlines-core, "auto"), bitmasks.
 
 A request's output can be constrained to a JSON schema, a regular expression or a list of choices
 (:class:`GrammarSpec`). A :class:`GrammarBackend` (:class:`LLGuidanceBackend`, llguidance's Earley
-parser; :class:`OutlinesBackend`, outlines-core's token index, Willard & Louf 2023; :class:`AutoBackend`,
-per spec the one that enforces the most; by name with :func:`make_grammar_backend`) compiles a spec
+parser; :class:`XGrammarBackend`, xgrammar's pushdown automaton with precomputed masks, Dong et al. 2024;
+:class:`OutlinesBackend`, outlines-core's token index, Willard & Louf 2023; :class:`AutoBackend`, per
+spec the one that enforces the most; by name with :func:`make_grammar_backend`) compiles a spec
 once into a shared :class:`CompiledGrammar`; each
 request drives its own :class:`Grammar` matcher, which writes the allowed tokens of its state into a
 packed int32 bitmask row (:mod:`grammars.bitmask`) and accepts, validates and rolls back tokens so that
@@ -20,8 +21,9 @@ speculative drafts can be masked position by position::
 Modules, one concept each: :mod:`~grammars.base` (spec and Protocols), :mod:`~grammars.bitmask`
 (packing and the reference masking), :mod:`~grammars.vocabulary` (tokenizer -> token bytes,
 fingerprint), :mod:`~grammars.registry` (backends by name), :mod:`~grammars.auto_backend`,
-:mod:`~grammars.llguidance_backend`, :mod:`~grammars.outlines_backend` (the backends),
-:mod:`~grammars.pool` (compilation off the engine thread), :mod:`~grammars.cache` (compile cache),
+:mod:`~grammars.llguidance_backend`, :mod:`~grammars.xgrammar_backend`,
+:mod:`~grammars.outlines_backend` (the backends), :mod:`~grammars.pool` (compilation off the engine
+thread), :mod:`~grammars.cache` (compile cache),
 :mod:`~grammars.schema` (what outlines-core ignores in a JSON schema; instance validation),
 :mod:`~grammars.errors`.
 
@@ -82,10 +84,12 @@ if TYPE_CHECKING:
         tokenizer_fingerprint,
         tokenizer_vocabulary,
     )
+    from grammars.xgrammar_backend import XGrammarBackend
 
 _LAZY = {
     "AutoBackend": "grammars.auto_backend",
     "LLGuidanceBackend": "grammars.llguidance_backend",
+    "XGrammarBackend": "grammars.xgrammar_backend",
     "GRAMMAR_BACKENDS": "grammars.registry",
     "make_grammar_backend": "grammars.registry",
     "CompiledGrammar": "grammars.base",
@@ -148,6 +152,7 @@ __all__ = [
     "SchemaFinding",
     "TokenVocabulary",
     "UnsupportedSchemaError",
+    "XGrammarBackend",
     "allocate_token_bitmask",
     "apply_token_bitmask",
     "bitmask_width",

@@ -1,12 +1,14 @@
 """``grammar_backend="auto"``: per spec, the backend that enforces the most of it.
 
 For a JSON schema each member backend says what it would not enforce (llguidance: its lenient-mode
-warnings; outlines-core: :func:`grammars.schema.schema_findings`); the members are tried in order of
-fewest such findings, ties broken by the order of ``members`` (llguidance first: it compiles in
-milliseconds, enforces recursive ``$ref`` s and refuses rather than ignores). A member that cannot take
-the schema at all (a schema outlines-core would compile wrongly, one llguidance cannot parse) is not a
-candidate. Regexes and choices go to the members in order. A compilation that fails moves on to the
-next candidate; when none compiles, :class:`GrammarCompileError` gives each member's reason.
+warnings; xgrammar: :func:`grammars.xgrammar_schema.xgrammar_schema_findings`; outlines-core:
+:func:`grammars.schema.schema_findings`); the members are tried in order of fewest such findings, ties
+broken by the order of ``members`` (llguidance first: it compiles in milliseconds, enforces recursive
+``$ref`` s and refuses rather than ignores; then xgrammar, which also keeps recursion a grammar rule;
+outlines-core last). A member that cannot take the schema at all (a schema outlines-core would compile
+wrongly, one llguidance or xgrammar cannot parse) is not a candidate. Regexes and choices go to the
+members in order. A compilation that fails moves on to the next candidate; when none compiles,
+:class:`GrammarCompileError` gives each member's reason.
 
 With ``strict_schema=True`` only members that enforce the whole schema are candidates. The compiled
 grammar is the chosen member's, with its ``backend`` name and ``ignored_keywords``.
@@ -25,7 +27,7 @@ from grammars.pool import PooledBackend
 from grammars.schema import schema_findings, warn_ignored_keywords
 
 #: the members "auto" chooses among, in order of preference
-AUTO_MEMBERS: tuple[str, ...] = ("llguidance", "outlines")
+AUTO_MEMBERS: tuple[str, ...] = ("llguidance", "xgrammar", "outlines")
 
 
 class AutoBackend(PooledBackend[CompiledGrammar]):

@@ -4,6 +4,7 @@ Hydra ``grammar_backend`` group.
 =============== ===================================================================================
 ``auto``        per spec, the backend that enforces the most of it (:mod:`grammars.auto_backend`)
 ``llguidance``  llguidance's Earley parser (:mod:`grammars.llguidance_backend`)
+``xgrammar``    xgrammar's pushdown automaton with precomputed masks (:mod:`grammars.xgrammar_backend`)
 ``outlines``    outlines-core's token index (:mod:`grammars.outlines_backend`)
 =============== ===================================================================================
 """
@@ -22,6 +23,7 @@ GRAMMAR_BACKENDS: dict[str, str | None] = {
     "auto": None,
     "llguidance": "llguidance",
     "outlines": "outlines_core",
+    "xgrammar": "xgrammar",
 }
 
 
@@ -73,6 +75,16 @@ def make_grammar_backend(
         from grammars.llguidance_backend import LLGuidanceBackend
 
         return LLGuidanceBackend(
+            tokenizer,
+            vocab_size,
+            eos_token_ids,
+            strict_schema=strict_schema,
+            compile_timeout_s=compile_timeout_s,
+        )
+    if name == "xgrammar":
+        from grammars.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(
             tokenizer,
             vocab_size,
             eos_token_ids,

@@ -95,8 +95,9 @@ class LLM:
             processes leave free, re-sampled twice a second: a busy machine does not collapse the step),
             a fixed count, or None (torch's setting untouched). See :mod:`specdec.engine.threads`.
         grammar_backend: what compiles ``json_schema`` / ``regex`` / ``choice`` constraints: ``"auto"``
-            (per spec, the backend that enforces the most of it: llguidance unless outlines-core
-            enforces more), ``"llguidance"`` or ``"outlines"``. See :mod:`grammars.registry`.
+            (per spec, the backend that enforces the most of it: llguidance unless xgrammar or
+            outlines-core enforces more), ``"llguidance"``, ``"xgrammar"`` or ``"outlines"``. See
+            :mod:`grammars.registry`.
 
     Raises:
         UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.

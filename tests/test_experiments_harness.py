@@ -66,6 +66,9 @@ def test_defaults_are_the_old_argparse_defaults():
         96,
     )
     assert bench_grammar.main.config(["per_subset=null"]).per_subset is None  # the old --all
+    assert (grammar.generate_schemas, grammar.modes) == (32, ["plain", "ngram"])
+    assert bench_grammar.spread(list(range(10)), 4) == [0, 2, 5, 7]
+    assert bench_grammar.spread(list(range(3)), 4) == [0, 1, 2]
 
     quant = bench_quant.main.config([])
     assert quant.models == ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"]
@@ -111,6 +114,10 @@ def test_misspelt_keys_and_bad_values_are_refused():
         bench_spec.main.config(["rows=[ngram,medusa]"])
     with pytest.raises(ConfigError, match=r"per_subset must be >= 1 or null"):
         bench_grammar.main.config(["per_subset=0"])
+    with pytest.raises(ConfigError, match=r"modes must be a non-empty subset of \['plain', 'ngram'"):
+        bench_grammar.main.config(["modes=[plain,medusa]"])
+    with pytest.raises(ConfigError, match=r"generate_schemas must be >= 1 or null, got 0"):
+        bench_grammar.main.config(["generate_schemas=0"])
     with pytest.raises(ConfigError, match=r"decode must be a non-empty subset of \['float32'"):
         bench_quant.main.config(["decode=[int3]"])
     with pytest.raises(ConfigError, match=r"bandwidth_gbs must be > 0 or null"):

@@ -31,21 +31,24 @@ def auto(tok):
 
 def test_unknown_backend_names_the_known_ones():
     with pytest.raises(
-        ConfigError, match=r"grammar_backend must be one of \['auto', 'llguidance', 'outlines'\]"
+        ConfigError,
+        match=r"grammar_backend must be one of \['auto', 'llguidance', 'outlines', 'xgrammar'\]",
     ):
         check_grammar_backend("xgrammer")
-    assert set(GRAMMAR_BACKENDS) == {"auto", "llguidance", "outlines"}
+    assert set(GRAMMAR_BACKENDS) == {"auto", "llguidance", "outlines", "xgrammar"}
 
 
-def test_missing_package_is_named(monkeypatch):
+@pytest.mark.parametrize("package", ["llguidance", "xgrammar"])
+def test_missing_package_is_named(monkeypatch, tok, package):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name: None if name == "llguidance" else real(name)
-    )
-    with pytest.raises(ConfigError, match=r"needs the 'llguidance' package.*pip install llguidance"):
-        check_grammar_backend("llguidance")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == package else real(name))
+    with pytest.raises(ConfigError, match=rf"needs the '{package}' package.*pip install {package}"):
+        check_grammar_backend(package)
+    # "auto" leaves the missing member out
+    with make_grammar_backend("auto", tok, len(tok)) as auto:
+        assert package not in auto.members and "outlines" in auto.members
 
 
 def test_llm_rejects_an_unknown_backend_before_loading(tmp_path):
@@ -55,7 +58,7 @@ def test_llm_rejects_an_unknown_backend_before_loading(tmp_path):
         LLM(tmp_path / "no-model-here", grammar_backend="lark")
 
 
-@pytest.mark.parametrize("name", ["auto", "llguidance", "outlines"])
+@pytest.mark.parametrize("name", ["auto", "llguidance", "outlines", "xgrammar"])
 def test_every_backend_meets_the_protocols(tok, name):
     with make_grammar_backend(name, tok, len(tok)) as backend:
         assert isinstance(backend, GrammarBackend) and backend.name == name
@@ -64,10 +67,12 @@ def test_every_backend_meets_the_protocols(tok, name):
 
 
 def test_auto_picks_the_member_that_enforces_more(auto):
-    # outlines-core ignores minimum, llguidance enforces it: llguidance, nothing ignored, no warning
+    # outlines-core ignores minimum, llguidance and xgrammar enforce it: llguidance (first of the
+    # tie), nothing ignored, no warning
     spec = GrammarSpec.json_schema(BOUNDS)
     assert auto.candidates(spec) == [
         ("llguidance", []),
+        ("xgrammar", []),
         ("outlines", ["minimum at #/properties/n (numeric bounds are not enforced)"]),
     ]
     compiled = auto.compile(spec)
@@ -78,10 +83,11 @@ def test_auto_picks_the_member_that_enforces_more(auto):
 
 
 def test_auto_prefers_the_first_member_on_a_tie_and_reports_what_it_ignores(auto):
-    # both ignore uniqueItems: one finding each, so the first member (llguidance) wins
+    # all ignore uniqueItems: one finding each, so the first member (llguidance) wins
     spec = GrammarSpec.json_schema(UNIQUE)
-    (first, found), (second, _) = auto.candidates(spec)
-    assert (first, second) == ("llguidance", "outlines") and "uniqueItems" in found[0]
+    candidates = auto.candidates(spec)
+    assert [name for name, _ in candidates] == ["llguidance", "xgrammar", "outlines"]
+    assert all(len(found) == 1 and "uniqueItems" in found[0] for _, found in candidates)
     with pytest.warns(UserWarning, match=r"llguidance \(the best grammar backend for this schema\) does not"):
         auto.check_schema(UNIQUE, strict=False)
     with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):
@@ -116,6 +122,7 @@ def test_a_spec_no_member_compiles_gives_every_reason(auto):
     message = str(info.value)
     assert message.startswith("no grammar backend compiles this spec")
     assert "llguidance: GrammarCompileError" in message and "look-around" in message
+    assert "xgrammar: GrammarCompileError" in message
     assert "outlines: GrammarCompileError" in message
 
 
@@ -126,21 +133,24 @@ def test_strict_auto_keeps_only_members_that_enforce_everything(tok):
             strict.compile(GrammarSpec.json_schema(UNIQUE))
 
 
-def test_llguidance_strict_refuses_what_it_does_not_implement(tok):
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
+def test_strict_refuses_what_the_backend_does_not_implement(tok, name):
     with (
-        make_grammar_backend("llguidance", tok, len(tok), strict_schema=True) as strict,
+        make_grammar_backend(name, tok, len(tok), strict_schema=True) as strict,
         pytest.raises(UnsupportedSchemaError, match=r"uniqueItems"),
     ):
         strict.compile(GrammarSpec.json_schema(UNIQUE))
-    with make_grammar_backend("llguidance", tok, len(tok)) as lenient:
+    with make_grammar_backend(name, tok, len(tok)) as lenient:
         compiled = lenient.compile(GrammarSpec.json_schema(UNIQUE))
         assert any("uniqueItems" in k for k in compiled.ignored_keywords)
 
 
-def test_llguidance_enforces_a_recursive_schema_with_a_required_property(tok):
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
+def test_recursive_schema_with_a_required_property_is_enforced(tok, name):
     """The issue's bug: outlines-core cut a recursive ``$ref`` with a required property and emitted
-    ``{ "name": ..., }``. llguidance keeps the recursion a grammar rule: no such cut exists, and every
-    complete walk is valid JSON (checked by walking the shortest instances of depth 1-5)."""
+    ``{ "name": ..., }``. llguidance and xgrammar keep the recursion a grammar rule: no such cut
+    exists, and every complete walk is valid JSON (checked by walking the shortest instances of depth
+    1-5)."""
     import json
 
     schema = {
@@ -149,7 +159,7 @@ def test_llguidance_enforces_a_recursive_schema_with_a_required_property(tok):
         "required": ["name", "children"],
         "additionalProperties": False,
     }
-    with make_grammar_backend("llguidance", tok, len(tok)) as backend:
+    with make_grammar_backend(name, tok, len(tok)) as backend:
         compiled = backend.compile(GrammarSpec.json_schema(schema))
         assert compiled.ignored_keywords == ()
         value: dict = {"name": "a", "children": []}
@@ -165,17 +175,19 @@ def test_llguidance_enforces_a_recursive_schema_with_a_required_property(tok):
             value = {"name": "b", "children": [value]}
 
 
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
 @pytest.mark.parametrize("extra", [-3, 0, 5])
-def test_llguidance_rows_fit_the_model_vocabulary(tok, extra):
-    """Model vocabularies narrower than the tokenizer (rows cut and AND-ed with ours), equal, and padded
-    (rows written in place): in each, the mask allows exactly the tokens ``accept_token`` takes, and no
-    bit at or past ``vocab_size``."""
+def test_rows_fit_the_model_vocabulary(tok, extra, name):
+    """Model vocabularies narrower than the tokenizer (llguidance: rows cut and AND-ed with ours),
+    equal, and padded (rows written in place; xgrammar sets the padding bits, which are cleared): in
+    each, the mask allows exactly the tokens ``accept_token`` takes, and no bit at or past
+    ``vocab_size``."""
     import torch
 
     from grammars import allocate_token_bitmask, unpack_bitmask
 
     vocab_size = len(tok) + extra
-    with make_grammar_backend("llguidance", tok, vocab_size) as backend:
+    with make_grammar_backend(name, tok, vocab_size) as backend:
         g = backend.compile(GrammarSpec.regex("[a-z ]+")).matcher()
         bitmask = allocate_token_bitmask(3, vocab_size)
         g.fill_bitmask(bitmask, 1)

@@ -10,19 +10,22 @@ from hypothesis import strategies as st
 
 from grammars import GrammarSpec, OutlinesBackend, allocate_token_bitmask
 from grammars.llguidance_backend import LLGuidanceBackend
+from grammars.xgrammar_backend import XGrammarBackend
 from tests.test_grammar_helpers import allowed_ids, tiny_byte_level_tokenizer
 
 PAD = 5
 REGEX = "(ab|12)+( wo)*|é+"
 
 
-@pytest.fixture(scope="module", params=["outlines", "llguidance"])
+@pytest.fixture(scope="module", params=["outlines", "llguidance", "xgrammar"])
 def compiled(request):
     tok = tiny_byte_level_tokenizer()
     if request.param == "outlines":
         backend = OutlinesBackend(tok, len(tok) + PAD, compile_in_subprocess=False)
-    else:
+    elif request.param == "llguidance":
         backend = LLGuidanceBackend(tok, len(tok) + PAD)
+    else:
+        backend = XGrammarBackend(tok, len(tok) + PAD)
     yield backend.compile(GrammarSpec.regex(REGEX))
     backend.close()
 

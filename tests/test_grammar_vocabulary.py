@@ -67,13 +67,21 @@ def test_tiny_sentencepiece_vocabulary():
     assert v.token_bytes[259:] == (b" ", b"a", b"b", b" a", "é".encode(), b" hello")
 
 
-def test_sentencepiece_grammar_accepts_byte_fallback_and_spaces():
+@pytest.mark.parametrize("name", ["outlines", "llguidance", "xgrammar"])
+def test_sentencepiece_grammar_accepts_byte_fallback_and_spaces(name):
     """'a é中' through '▁a'-style tokens and <0xNN> byte tokens for 中."""
+    from grammars.registry import make_grammar_backend
+
     tok = tiny_sentencepiece_tokenizer()
-    backend = OutlinesBackend(tok, len(tok), compile_in_subprocess=False)
-    g = backend.compile(GrammarSpec.regex("(a|b)( [a-zé中]+)+")).matcher()
+    if name == "outlines":
+        backend = OutlinesBackend(tok, len(tok), compile_in_subprocess=False)
+    else:
+        backend = make_grammar_backend(name, tok, len(tok))
+    with backend:
+        g = backend.compile(GrammarSpec.regex("(a|b)( [a-zé中]+)+")).matcher()
     ids = [260, 262, *[3 + b for b in b" "], 263, *[3 + b for b in "中".encode()]]  # a, ▁a, ' ', é, 中
     assert feed(g, ids) == len(ids) and g.is_final()
+    assert not any(g.accept_token(t) for t in (0, 1))  # <unk>, <s>: special
     assert g.accept_token(2) and g.is_terminated()
 
 
@@ -102,7 +110,7 @@ def smol_tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
 
 
-@pytest.fixture(scope="module", params=["outlines", "llguidance"])
+@pytest.fixture(scope="module", params=["outlines", "llguidance", "xgrammar"])
 def smol_backend(request, smol_tokenizer):
     """Each backend over the real tokenizer, the model vocabulary padded by ``PAD`` ids."""
     from grammars.registry import make_grammar_backend
@@ -211,7 +219,7 @@ def test_recursive_ref(smol_backend, smol_tokenizer):
         with pytest.warns(UserWarning, match=r"\$ref at #/\$defs/node/properties/children/items"):
             check_schema(schema, strict=False)
         assert any(k.startswith("$ref") for k in compiled.ignored_keywords)
-    else:  # llguidance: a grammar rule, enforced at any depth
+    else:  # llguidance, xgrammar: a grammar rule, enforced at any depth
         assert compiled.ignored_keywords == ()
         deep: dict = {"value": 0}
         for depth in range(1, 8):

@@ -66,7 +66,7 @@ def llm(smollm2_dir):
     return LLM(smollm2_dir, seed=0)
 
 
-@pytest.fixture(scope="module", params=["outlines", "llguidance"])
+@pytest.fixture(scope="module", params=["outlines", "llguidance", "xgrammar"])
 def backend_llm(request, smollm2_dir):
     """One LLM per grammar backend (the module's ``llm`` uses the default, ``"auto"``)."""
     return LLM(smollm2_dir, seed=0, grammar_backend=request.param)
@@ -90,10 +90,10 @@ def test_outputs_parse_and_validate(backend_llm, name):
     for out in outs:
         c = out.outputs[0]
         if c.finish_reason == "length":
-            # llguidance enforces the recursion itself (outlines-core unrolls it three levels deep, which
-            # forces an end), so greedy decoding may nest nodes until max_tokens: the text is then an
-            # unfinished instance, every token of it accepted by a fresh matcher
-            assert name == "tree" and llm.grammar_backend_name == "llguidance", c.text
+            # llguidance and xgrammar enforce the recursion itself (outlines-core unrolls it three levels
+            # deep, which forces an end), so greedy decoding may nest nodes until max_tokens: the text is
+            # then an unfinished instance, every token of it accepted by a fresh matcher
+            assert name == "tree" and llm.grammar_backend_name in ("llguidance", "xgrammar"), c.text
             grammar = llm.engine.grammar_backend.compile(params[0].grammar_spec).matcher()
             assert grammar.validate_tokens(c.token_ids) == len(c.token_ids)
             assert c.schema_valid is False
@@ -136,7 +136,7 @@ def test_greedy_output_is_the_same_with_and_without_speculation_and_free_rows_ar
     free_alone = llm.generate(prompts[4], params[4])[0].outputs[0].token_ids
     assert plain[4] == free_alone
     specs: list[dict] = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}]
-    if backend == "outlines":  # the grammar's forced tokens alone (issue 20)
+    if backend in ("outlines", "xgrammar"):  # the grammar's forced tokens alone (issue 20)
         specs.append({"method": "grammar", "num_speculative_tokens": 6})
     if backend == "llguidance":
         specs[0]["grammar_forced_drafts"] = True  # n-gram chains extended by the forced tokens  # the default ("auto") backend's; outlines-core: n-gram only (suite time)
@@ -187,7 +187,7 @@ def test_a_complete_grammar_ends_the_request_with_stop_and_max_tokens_gives_leng
 
 
 def test_ignored_keywords_warn_or_raise_in_strict_mode_and_the_output_is_validated(llm):
-    # uniqueItems: neither llguidance nor outlines-core enforces it, so "auto" warns
+    # uniqueItems: no backend enforces it, so "auto" warns
     schema = {
         "type": "object",
         "properties": {
