@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,8 +62,10 @@ class AutoBackend(PooledBackend[CompiledGrammar]):
         self.strict_schema = strict_schema
         self._make_member = make_member
         self._built: dict[str, GrammarBackend] = {}
-        self._choices: dict[GrammarSpec, list[tuple[str, list[str]]]] = {}
-        self._refusals: dict[GrammarSpec, dict[str, str]] = {}
+        #: (spec, complete) -> ranked candidates; complete: every member was asked (LRU-bounded)
+        self._choices: OrderedDict[tuple[GrammarSpec, bool], list[tuple[str, list[str]]]] = OrderedDict()
+        self._refusals: OrderedDict[GrammarSpec, dict[str, str]] = OrderedDict()
+        self._max_choices = 4 * cache_size
         self._lock = threading.Lock()
 
     def member(self, name: str) -> GrammarBackend:
@@ -83,18 +86,25 @@ class AutoBackend(PooledBackend[CompiledGrammar]):
         backend = self.member(name)
         return list(backend.schema_findings(spec))
 
-    def candidates(self, spec: GrammarSpec) -> list[tuple[str, list[str]]]:
+    def candidates(self, spec: GrammarSpec, complete: bool = False) -> list[tuple[str, list[str]]]:
         """The members to try for ``spec``, best first, each with what it would not enforce (cached).
+
+        Members are asked in order of preference and, unless ``complete``, the asking stops at the first
+        one that enforces everything (no later member can rank above it): the list is then that member
+        and the ones before it that took the spec.
 
         Raises:
             GrammarCompileError: no member takes the spec (each member's reason given).
         """
         with self._lock:
-            cached = self._choices.get(spec)
+            cached = self._choices.get((spec, True))
+            if cached is None and not complete:
+                cached = self._choices.get((spec, False))
         if cached is not None:
             return cached
         ranked: list[tuple[int, int, str, list[str]]] = []
         refusals: dict[str, str] = {}
+        stopped = False
         for order, name in enumerate(self.members):
             if spec.kind != "json_schema":
                 ranked.append((0, order, name, []))
@@ -108,12 +118,18 @@ class AutoBackend(PooledBackend[CompiledGrammar]):
                 refusals[name] = f"does not enforce {'; '.join(found)}"
                 continue
             ranked.append((len(found), order, name, found))
+            if not found and not complete and order < len(self.members) - 1:
+                stopped = True
+                break
         if not ranked:
             raise _none_compiles(refusals, strict=self.strict_schema)
         chosen = [(name, found) for _, _, name, found in sorted(ranked)]
         with self._lock:
-            self._choices[spec] = chosen
+            self._choices[(spec, not stopped)] = chosen
             self._refusals[spec] = refusals
+            for table in (self._choices, self._refusals):
+                while len(table) > self._max_choices:
+                    table.popitem(last=False)
         return chosen
 
     def check_schema(self, schema: dict[str, Any] | bool, strict: bool) -> list[str]:
@@ -128,13 +144,18 @@ class AutoBackend(PooledBackend[CompiledGrammar]):
         return warn_ignored_keywords(found, f"{name} (the best grammar backend for this schema)", strict)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        candidates = self.candidates(spec)  # records the members that refused the spec
+        tried: dict[str, str] = {}
+        for complete in (False, True):
+            candidates = self.candidates(spec, complete)  # records the members that refused the spec
+            for name, _ in candidates:
+                if name in tried:
+                    continue
+                try:
+                    return self.member(name).compile(spec)
+                except GrammarCompileError as e:
+                    tried[name] = f"{type(e).__name__}: {e}"
         reasons = dict(self._refusals.get(spec, {}))
-        for name, _ in candidates:
-            try:
-                return self.member(name).compile(spec)
-            except GrammarCompileError as e:
-                reasons[name] = f"{type(e).__name__}: {e}"
+        reasons.update(tried)
         raise _none_compiles(reasons, strict=self.strict_schema)
 
     def close(self) -> None:

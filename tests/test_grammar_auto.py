@@ -70,11 +70,14 @@ def test_auto_picks_the_member_that_enforces_more(auto):
     # outlines-core ignores minimum, llguidance and xgrammar enforce it: llguidance (first of the
     # tie), nothing ignored, no warning
     spec = GrammarSpec.json_schema(BOUNDS)
-    assert auto.candidates(spec) == [
+    # llguidance enforces everything: nobody after it is asked (compile time), unless complete
+    assert auto.candidates(spec) == [("llguidance", [])]
+    assert auto.candidates(spec, complete=True) == [
         ("llguidance", []),
         ("xgrammar", []),
         ("outlines", ["minimum at #/properties/n (numeric bounds are not enforced)"]),
     ]
+    assert auto.candidates(spec) == auto.candidates(spec, complete=True)  # the complete list is kept
     compiled = auto.compile(spec)
     assert compiled.backend == "llguidance" and compiled.ignored_keywords == ()
     with warnings.catch_warnings():
@@ -203,3 +206,35 @@ def test_rows_fit_the_model_vocabulary(tok, extra, name):
         words = bitmask[1, -1].item() & 0xFFFFFFFF
         assert all(not (words >> (t - 32 * (width - 1))) & 1 for t in tail)
         assert (bitmask[0] == -1).all() and (bitmask[2] == -1).all()  # other rows untouched
+
+
+def test_auto_asks_the_later_members_when_the_first_choice_fails_to_compile(tok):
+    """The first member enforces everything (so the others are not asked for findings) but its
+    compilation fails: the others are ranked then, and the next one compiles."""
+    from grammars.auto_backend import AutoBackend
+
+    class Failing:
+        name = "broken"
+
+        def __init__(self, real):
+            self.real = real
+            self.fingerprint = real.fingerprint
+
+        def schema_findings(self, spec):
+            return []
+
+        def compile(self, spec):
+            raise GrammarCompileError("broken on purpose")
+
+        def close(self):
+            self.real.close()
+
+    def members(name):
+        real = make_grammar_backend("llguidance" if name == "first" else name, tok, len(tok))
+        return Failing(real) if name == "first" else real
+
+    with AutoBackend(members, ("first", "llguidance")) as backend:
+        spec = GrammarSpec.json_schema(BOUNDS)
+        assert [name for name, _ in backend.candidates(spec)] == ["first"]
+        assert backend.compile(spec).backend == "llguidance"
+        assert [name for name, _ in backend.candidates(spec)] == ["first", "llguidance"]

@@ -28,6 +28,17 @@ def test_proposes_what_followed_the_most_recent_match():
     assert _drafter().propose_one(req, 2) == [7, 8]
 
 
+def test_continue_draft_looks_up_the_context_extended_by_drafts():
+    req = _request([1, 2, 3, 9, 9, 1, 2, 4, 7])
+    d = _drafter()
+    # committed + [1, 2]: the suffix (7, 1, 2) never occurred, (1, 2) last at 5-6 -> 4, 7
+    assert d.continue_draft(req, [1, 2], 4) == [4, 7]
+    assert d.continue_draft(req, [9, 1, 2, 3], 2) == [9, 9]  # (1, 2, 3) at the start
+    assert d.continue_draft(req, [5], 3) == []  # 5 never occurred
+    assert d.continue_draft(req, [1], 0) == []
+    assert req.token_ids == [1, 2, 3, 9, 9, 1, 2, 4, 7]  # nothing committed
+
+
 def test_longest_ngram_wins():
     # Suffix (4, 5, 6): the 3-gram matches at the start (-> 10); the 1-gram (6) last occurred before 20.
     req = _request([4, 5, 6, 10, 11, 6, 20, 21, 4, 5, 6])

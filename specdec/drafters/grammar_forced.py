@@ -7,7 +7,9 @@ grammar allows has probability 1 under the masked target: it is always accepted.
 
 - ``speculative_config={..., "grammar_forced_drafts": True}`` wraps the configured drafter: its chain is
   cut at the first token the grammar forbids, then extended by the tokens the grammar forces after it
-  (:func:`specdec.structured.forced_tokens`), up to ``max_drafts``;
+  (:func:`specdec.structured.forced_tokens`), up to ``max_drafts``. A deterministic drafter with a
+  ``continue_draft(request, drafts, max_drafts)`` method (n-gram lookup has one) drafts again after
+  each run of forced tokens, from the context they extend: forced, looked up, forced, ...;
 - ``method="grammar"`` drafts the forced tokens alone (a drafter of its own, no model).
 
 Exactness: forced tokens are drafts like any other, verified by the exact rejection sampler. Their
@@ -67,23 +69,45 @@ class GrammarForcedDrafter(DrafterBase):
         tokens = [int(t) for t in proposal.token_ids[: x.max_drafts]]
         tokens = tokens[: grammar.validate_tokens(tokens)]
         self._num_inner[req.request_id] = len(tokens)
-        for t in tokens:
-            grammar.accept_token(t)
-        try:
-            forced = forced_tokens(
-                grammar, x.max_drafts - len(tokens), self.vocab_size, req.stop_ids, req.token_ids + tokens
-            )
-        finally:
-            grammar.rollback(len(tokens))
-        if not forced:
-            return DraftProposal(tokens, _cut(proposal.draft_probs, len(tokens)))
-        self.num_forced_drafts += len(forced)
         probs = proposal.draft_probs
-        if probs is not None:
-            one_hot = torch.zeros(len(forced), probs.shape[-1], dtype=probs.dtype, device=probs.device)
-            one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1
-            probs = torch.cat([probs[: len(tokens)], one_hot])
-        return DraftProposal(tokens + forced, probs)
+        # a deterministic inner drafter that can continue a hypothetical context (n-gram lookup) drafts
+        # again after each run of forced tokens
+        resume = getattr(self.inner, "continue_draft", None) if probs is None else None
+        accepted = 0
+        forced_rows: list[int] = []  # positions of forced tokens in ``tokens``
+        try:
+            for t in tokens:
+                grammar.accept_token(t)
+                accepted += 1
+            while len(tokens) < x.max_drafts:
+                forced = forced_tokens(
+                    grammar, x.max_drafts - len(tokens), self.vocab_size, req.stop_ids, req.token_ids + tokens
+                )
+                for t in forced:
+                    grammar.accept_token(t)
+                    accepted += 1
+                forced_rows.extend(range(len(tokens), len(tokens) + len(forced)))
+                tokens.extend(forced)
+                more: list[int] = []
+                if resume is not None and forced and len(tokens) < x.max_drafts:
+                    more = [int(t) for t in resume(req, tokens, x.max_drafts - len(tokens))]
+                    more = more[: grammar.validate_tokens(more)]
+                    for t in more:
+                        grammar.accept_token(t)
+                        accepted += 1
+                    tokens.extend(more)
+                if not more:
+                    break
+        finally:
+            grammar.rollback(accepted)
+        self.num_forced_drafts += len(forced_rows)
+        if probs is not None and forced_rows:  # forced tokens follow the inner chain: one-hot rows
+            one_hot = torch.zeros(len(forced_rows), probs.shape[-1], dtype=probs.dtype, device=probs.device)
+            one_hot[torch.arange(len(forced_rows)), torch.tensor(tokens[-len(forced_rows) :])] = 1
+            probs = torch.cat([probs[: len(tokens) - len(forced_rows)], one_hot])
+        elif probs is not None:
+            probs = probs[: len(tokens)]
+        return DraftProposal(tokens, probs)
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         n = min(self._num_inner.pop(request.request_id, num_drafts), num_drafts)
@@ -105,10 +129,6 @@ class GrammarForcedDrafter(DrafterBase):
     def bind_kv(self, num_blocks: int, block_size: int) -> None:
         if self.inner is not None:
             self.inner.bind_kv(num_blocks, block_size)
-
-
-def _cut(probs: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    return None if probs is None else probs[:n]
 
 
 @register_drafter("grammar")

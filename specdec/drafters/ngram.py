@@ -74,5 +74,22 @@ class NgramDrafter(DrafterBase):
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
         return [DraftProposal(self.propose_one(x.request, x.max_drafts)) for x in batch]
 
+    def continue_draft(self, request: Request, drafts: list[int], max_drafts: int) -> list[int]:
+        """Up to ``max_drafts`` tokens continuing ``request.token_ids + drafts`` (a hypothetical context,
+        e.g. after tokens a grammar forces): what followed the latest committed match of its longest
+        suffix (:class:`~specdec.drafters.grammar_forced.GrammarForcedDrafter` calls it)."""
+        if max_drafts <= 0:
+            return []
+        committed = request.token_ids
+        index = self._index(request)
+        context = committed[-self.n_max :] + list(drafts)
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(context) < n:
+                continue
+            end = index.last_end[n].get(tuple(context[-n:]))
+            if end is not None:
+                return committed[end : end + max_drafts]
+        return []
+
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Nothing to roll back: the index only ever holds committed tokens."""
