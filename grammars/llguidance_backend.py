@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -59,6 +60,20 @@ from grammars.vocabulary import TokenVocabulary, tokenizer_vocabulary
 
 _NOT_COMPILED = "llguidance cannot compile this grammar: "
 logger = logging.getLogger("grammars.llguidance")
+
+
+def _message(text: str) -> str:
+    """llguidance's message on one line, without the grammar source it quotes (ours, not the user's:
+    ``   2 | start: ...`` and its caret line) or its ``at line(column):`` prefix."""
+    source = False
+    kept: list[str] = []
+    for line in text.strip().splitlines():
+        if re.match(r"^\s*\d+ \| ", line):
+            source = True
+        elif not (source and re.match(r"^\s*\^+\s*$", line)):
+            source = False
+            kept.append(line.strip())
+    return re.sub(r"^at \d+\(\d+\): ", "", " ".join(k for k in kept if k))
 
 
 def _lark_regex(pattern: str) -> str:
@@ -371,8 +386,8 @@ class LLGuidanceBackend(PooledBackend[LLGuidanceCompiledGrammar]):
             self.grammar(spec, lenient=True), self.tokenizer, limits=self.limits
         )
         if is_error:
-            raise GrammarCompileError(_NOT_COMPILED + "; ".join(messages))
-        return list(messages)
+            raise GrammarCompileError(_NOT_COMPILED + "; ".join(_message(m) for m in messages))
+        return [_message(m) for m in messages]
 
     def check_schema(self, schema: dict[str, Any] | bool, strict: bool) -> list[str]:
         """The parts of ``schema`` llguidance does not enforce: warned about, or raised when ``strict``.
@@ -391,19 +406,15 @@ class LLGuidanceBackend(PooledBackend[LLGuidanceCompiledGrammar]):
             grammar = self.grammar(spec, lenient)
         except ValueError as e:
             raise GrammarCompileError(f"{_NOT_COMPILED}{e}") from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer, limits=self.limits
-        )
-        if is_error:
-            message = "; ".join(messages)
-            if spec.kind == "json_schema" and not lenient:
-                raise UnsupportedSchemaError(
-                    f"llguidance does not enforce this schema (strict): {message}", list(messages)
-                )
-            raise GrammarCompileError(_NOT_COMPILED + message)
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if template.is_error():
-            raise GrammarCompileError(_NOT_COMPILED + template.get_error())
+            message = _message(template.get_error())
+            if spec.kind == "json_schema" and not lenient:
+                raise UnsupportedSchemaError(
+                    f"llguidance does not enforce this schema (strict): {message}", [message]
+                )
+            raise GrammarCompileError(_NOT_COMPILED + message)
+        messages = [_message(m) for m in template.get_grammar_warnings()]
         elapsed = time.perf_counter() - t0
         if elapsed > self.compile_timeout_s:
             raise GrammarCompileTimeoutError(
