@@ -19,14 +19,16 @@ Our contract (:class:`grammars.base.Grammar`) on top of llguidance's ``LLMatcher
 - EOS is ours: never fed to llguidance, allowed exactly when its matcher is accepting, and after it only
   EOS (so :meth:`LLGuidanceGrammar.is_terminated` is "the last accepted token is an EOS");
 - tokens are fed with ``try_consume_tokens``, which refuses a disallowed token and stays usable
-  (``consume_token`` would put the matcher in a permanent error state);
+  (``consume_token`` would put the matcher in a permanent error state); the EOS side is
+  :class:`grammars.external_matcher.ExternalMatcherGrammar`'s;
 - grammars are compiled with llguidance's ``no_forcing`` option. By default, where the grammar forces a
   byte string (``cd`` after ``a`` in ``[ab]cd``; a property name), llguidance's mask allows only its
   canonical tokenization (the token ``cd``, not ``c``) while ``consume_token`` still takes the others:
   the mask and the matcher then describe different languages, and the masked target differs from the
   other backends' (found by the forced-drafts distribution test). With ``no_forcing`` every tokenization
-  of the allowed bytes is allowed, as in outlines-core and xgrammar; fast-forward tokens
-  (:meth:`LLGuidanceGrammar.forced_tokens`) are still computed and are drafted, not forced.
+  of the allowed bytes is allowed, as in outlines-core and xgrammar (llguidance then computes no
+  fast-forward tokens: the drafts of forced tokens come from its masks,
+  :func:`specdec.structured.forced_tokens`).
 
 Schema keywords: ``strict_schema=True`` compiles in llguidance's default mode, which refuses every
 keyword it does not implement (:class:`UnsupportedSchemaError`); otherwise it compiles with
@@ -53,6 +55,7 @@ import torch
 from grammars.base import GrammarSpec
 from grammars.bitmask import bitmask_width, token_ids_to_bitmask_row
 from grammars.errors import GrammarCompileError, GrammarCompileTimeoutError, UnsupportedSchemaError
+from grammars.external_matcher import ExternalMatcherGrammar
 from grammars.outlines_backend import DEFAULT_WHITESPACE_PATTERN, escape_regex_literal, strip_anchors
 from grammars.pool import CompiledBase, PooledBackend
 from grammars.schema import warn_ignored_keywords
@@ -129,16 +132,20 @@ class LLGuidanceCompiledGrammar(CompiledBase):
         return LLGuidanceGrammar(self, self._template.deep_copy())
 
 
-class LLGuidanceGrammar:
+class LLGuidanceGrammar(ExternalMatcherGrammar):
     """One request's matcher (implements :class:`grammars.base.Grammar`; see there for the contract).
     Rollback is unbounded: llguidance keeps the parser's whole history."""
 
     def __init__(self, compiled: LLGuidanceCompiledGrammar, matcher: llguidance.LLMatcher):
-        self.compiled = compiled
-        self._matcher = matcher
-        self._num_grammar_tokens = 0  # tokens fed to llguidance (never EOS)
-        self._num_eos = 0  # EOS ids accepted after them
+        super().__init__(compiled, matcher)
         self._scratch = torch.zeros(1, compiled.llg_width, dtype=torch.int32)
+
+    def _accepting(self) -> bool:
+        return bool(self._matcher.is_accepting())
+
+    def _consume(self, token_id: int) -> bool:
+        # try_consume_tokens refuses a disallowed token without entering llguidance's error state
+        return self._matcher.try_consume_tokens([token_id]) == 1
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens into ``bitmask[row]`` (int32 ``[rows, W]``, ``W`` =
@@ -146,17 +153,11 @@ class LLGuidanceGrammar:
 
         Raises:
             ValueError: ``bitmask`` is not int32 with ``W`` words per row.
+            IndexError: ``row`` is outside the bitmask.
         """
-        c = self.compiled
-        if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[1] != c.width:
-            raise ValueError(
-                f"bitmask must be int32 [rows, {c.width}], got {bitmask.dtype} {list(bitmask.shape)}"
-            )
-        if not 0 <= row < bitmask.shape[0]:
-            raise IndexError(f"row {row} is outside a bitmask of {bitmask.shape[0]} rows")
-        if self._num_eos:
-            bitmask[row].copy_(c.eos_row)
+        if self._check_row(bitmask, row):
             return
+        c = self.compiled
         if c.llg_vocab_size == c.vocab_size and bitmask.device.type == "cpu" and bitmask.is_contiguous():
             # straight into the row: llguidance allows no special token but EOS (our grammars name none),
             # no id without bytes (the padded tail) and no bit past its vocabulary, which is the model's:
@@ -166,22 +167,6 @@ class LLGuidanceGrammar:
         scratch = self._scratch[0]
         self._matcher.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * 4)
         torch.bitwise_and(scratch[: c.width], c.permitted_row, out=bitmask[row])
-
-    def accept_token(self, token_id: int) -> bool:
-        token_id = int(token_id)
-        c = self.compiled
-        if token_id in c.eos_set:
-            if not (self._num_eos or self._matcher.is_accepting()):
-                return False
-            self._num_eos += 1
-            return True
-        if self._num_eos or not 0 <= token_id < c.vocab_size or not c.ordinary[token_id]:
-            return False
-        # try_consume_tokens refuses a disallowed token without entering llguidance's error state
-        if self._matcher.try_consume_tokens([token_id]) != 1:
-            return False
-        self._num_grammar_tokens += 1
-        return True
 
     def validate_tokens(self, token_ids: Sequence[int]) -> int:
         c = self.compiled
@@ -208,37 +193,6 @@ class LLGuidanceGrammar:
         while n < len(ids) and ids[n] in c.eos_set:
             n += 1
         return n
-
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self.num_accepted_tokens:
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.num_accepted_tokens} accepted")
-        eos = min(num_tokens, self._num_eos)
-        self._num_eos -= eos
-        grammar_tokens = num_tokens - eos
-        if grammar_tokens:
-            self._matcher.rollback(grammar_tokens)
-            self._num_grammar_tokens -= grammar_tokens
-
-    def reset(self) -> None:
-        """Back to the initial state (everything rolled back)."""
-        self.rollback(self.num_accepted_tokens)
-
-    def is_terminated(self) -> bool:
-        return self._num_eos > 0
-
-    def is_final(self) -> bool:
-        return self._num_eos > 0 or self._matcher.is_accepting()
-
-    def forced_tokens(self) -> list[int]:
-        """Tokens the grammar forces from here (llguidance's fast-forward tokens), possibly none; the
-        state is not changed."""
-        if self._num_eos:
-            return []
-        return [int(t) for t in self._matcher.compute_ff_tokens()]
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return self._num_grammar_tokens + self._num_eos
 
 
 class _TokenizerAdapter:

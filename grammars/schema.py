@@ -465,13 +465,17 @@ def warn_ignored_keywords(found: list[str], engine: str, strict: bool, stackleve
     return found
 
 
-def schema_findings(schema: dict[str, Any] | bool, strict: bool) -> list[str]:
-    """:func:`check_schema` without the warning (what the backend records on a compiled grammar)."""
+def require_valid_object_schema(schema: Any, engine: str) -> None:
+    """Raise unless ``schema`` is a JSON-object schema valid for its draft (``jsonschema``'s check).
+
+    Raises:
+        GrammarCompileError: a boolean or non-object schema (``engine`` named), or an invalid one.
+    """
     from jsonschema import exceptions, validators
 
     if not isinstance(schema, dict):
         raise GrammarCompileError(
-            f"outlines-core compiles JSON-object schemas only, got {json.dumps(schema)[:80]} "
+            f"{engine} compiles JSON-object schemas only, got {json.dumps(schema)[:80]} "
             "(use {} for any value)"
         )
     try:
@@ -480,6 +484,11 @@ def schema_findings(schema: dict[str, Any] | bool, strict: bool) -> list[str]:
         raise GrammarCompileError(
             f"not a valid JSON schema: {e.message} at {list(e.absolute_path)}"
         ) from None
+
+
+def schema_findings(schema: dict[str, Any] | bool, strict: bool) -> list[str]:
+    """:func:`check_schema` without the warning (what the backend records on a compiled grammar)."""
+    require_valid_object_schema(schema, "outlines-core")
     ignored, miscompiled = find_ignored_keywords(schema)
     if miscompiled:
         names = [str(f) for f in miscompiled]

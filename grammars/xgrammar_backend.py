@@ -77,6 +77,7 @@ from grammars.errors import (
     GrammarTooLargeError,
     UnsupportedSchemaError,
 )
+from grammars.external_matcher import ExternalMatcherGrammar
 from grammars.outlines_backend import strip_anchors
 from grammars.pool import CompiledBase, PooledBackend
 from grammars.schema import warn_ignored_keywords
@@ -139,16 +140,19 @@ class XGrammarCompiledGrammar(CompiledBase):
         return XGrammarGrammar(self, xgr.GrammarMatcher(self._compiled))
 
 
-class XGrammarGrammar:
+class XGrammarGrammar(ExternalMatcherGrammar):
     """One request's matcher (implements :class:`grammars.base.Grammar`; see there for the contract).
     Rollback is unbounded: xgrammar keeps the parser's whole history."""
 
     def __init__(self, compiled: XGrammarCompiledGrammar, matcher: xgr.GrammarMatcher):
-        self.compiled = compiled
-        self._matcher = matcher
-        self._num_grammar_tokens = 0  # tokens fed to xgrammar (never EOS)
-        self._num_eos = 0  # EOS ids accepted after them
+        super().__init__(compiled, matcher)
         self._scratch: torch.Tensor | None = None
+
+    def _accepting(self) -> bool:
+        return bool(self._matcher.is_completed())
+
+    def _consume(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens into ``bitmask[row]`` (int32 ``[rows, W]``, ``W`` =
@@ -158,16 +162,9 @@ class XGrammarGrammar:
             ValueError: ``bitmask`` is not int32 with ``W`` words per row.
             IndexError: ``row`` is outside the bitmask.
         """
-        c = self.compiled
-        if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[1] != c.width:
-            raise ValueError(
-                f"bitmask must be int32 [rows, {c.width}], got {bitmask.dtype} {list(bitmask.shape)}"
-            )
-        if not 0 <= row < bitmask.shape[0]:
-            raise IndexError(f"row {row} is outside a bitmask of {bitmask.shape[0]} rows")
-        if self._num_eos:
-            bitmask[row].copy_(c.eos_row)
+        if self._check_row(bitmask, row):
             return
+        c = self.compiled
         if bitmask.device.type == "cpu" and bitmask.is_contiguous():
             # straight into the row (xgrammar reads the tensor through DLPack, ignoring strides: only a
             # contiguous CPU tensor is written in place)
@@ -183,51 +180,6 @@ class XGrammarGrammar:
             self._scratch.numpy()[0, -1] &= c.tail_mask
         bitmask[row].copy_(self._scratch[0])
 
-    def accept_token(self, token_id: int) -> bool:
-        token_id = int(token_id)
-        c = self.compiled
-        if token_id in c.eos_set:
-            if not (self._num_eos or self._matcher.is_completed()):
-                return False
-            self._num_eos += 1
-            return True
-        if self._num_eos or not 0 <= token_id < c.vocab_size or not c.ordinary[token_id]:
-            return False
-        if not self._matcher.accept_token(token_id):
-            return False
-        self._num_grammar_tokens += 1
-        return True
-
-    def validate_tokens(self, token_ids: Sequence[int]) -> int:
-        n = 0
-        for t in token_ids:
-            if not self.accept_token(t):
-                break
-            n += 1
-        self.rollback(n)
-        return n
-
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self.num_accepted_tokens:
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.num_accepted_tokens} accepted")
-        eos = min(num_tokens, self._num_eos)
-        self._num_eos -= eos
-        grammar_tokens = num_tokens - eos
-        if grammar_tokens:
-            self._matcher.rollback(grammar_tokens)
-            self._num_grammar_tokens -= grammar_tokens
-
-    def reset(self) -> None:
-        """Back to the initial state (everything rolled back)."""
-        self._matcher.reset()
-        self._num_grammar_tokens = self._num_eos = 0
-
-    def is_terminated(self) -> bool:
-        return self._num_eos > 0
-
-    def is_final(self) -> bool:
-        return self._num_eos > 0 or self._matcher.is_completed()
-
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces from here (xgrammar's jump-forward tokens: the forced text split
         greedily into the longest vocabulary tokens, the last one left out when a longer token could
@@ -235,10 +187,6 @@ class XGrammarGrammar:
         if self._num_eos:
             return []
         return [int(t) for t in self._matcher.find_jump_forward_tokens()]
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        return self._num_grammar_tokens + self._num_eos
 
 
 def xgrammar_tokenizer_info(vocabulary: TokenVocabulary, vocab_size: int) -> xgr.TokenizerInfo:

@@ -9,7 +9,6 @@ import json
 import re
 from typing import Any
 
-from grammars.errors import GrammarCompileError
 from grammars.schema import (
     CONSTRAINT_KEYWORDS,
     SchemaFinding,
@@ -18,6 +17,7 @@ from grammars.schema import (
     _resolve_local,
     _type_set,
     _types_cover,
+    require_valid_object_schema,
 )
 from grammars.xgrammar_ebnf import xgrammar_regex
 
@@ -318,19 +318,7 @@ def xgrammar_schema_findings(schema: Any) -> list[str]:
         GrammarCompileError: not a JSON-object schema, not a valid JSON schema for its draft, or a
             ``pattern`` xgrammar cannot compile faithfully.
     """
-    from jsonschema import exceptions, validators
-
-    if not isinstance(schema, dict):
-        raise GrammarCompileError(
-            f"xgrammar compiles JSON-object schemas only, got {json.dumps(schema)[:80]} "
-            "(use {} for any value)"
-        )
-    try:
-        validators.validator_for(schema).check_schema(schema)
-    except exceptions.SchemaError as e:
-        raise GrammarCompileError(
-            f"not a valid JSON schema: {e.message} at {list(e.absolute_path)}"
-        ) from None
+    require_valid_object_schema(schema, "xgrammar")
     walker = _XGrammarSchemaWalker(schema)
     walker.walk(schema, "#")
     return [str(f) for f in walker.ignored]
