@@ -180,8 +180,10 @@ def in_schema_order(value: Any, node: Any, root: dict[str, Any], depth: int = 0)
         branches = node.get(key)
         if isinstance(branches, list) and not isinstance(node.get("properties"), dict):
             validator = validators.validator_for(root)(root)
+            # the branch alone, with the root's definitions for its $refs (not the root's own keywords)
+            context = {k: root[k] for k in ("$schema", "$id", "$defs", "definitions") if k in root}
             for sub in branches:
-                if isinstance(sub, dict) and validator.evolve(schema={**root, **sub}).is_valid(value):
+                if isinstance(sub, dict) and validator.evolve(schema={**context, **sub}).is_valid(value):
                     return in_schema_order(value, sub, root, depth + 1)
     if isinstance(value, dict):
         props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
@@ -231,6 +233,7 @@ def compile_and_walk(backend: Any, tokenizer: Any, docs: list[tuple[dict[str, An
         0,
     )
     unexplained: list[str] = []
+    rejected: list[str] = []  # valid instances rejected even in schema order
     for r, doc in docs:
         t = time.perf_counter()
         try:
@@ -254,6 +257,8 @@ def compile_and_walk(backend: Any, tokenizer: Any, docs: list[tuple[dict[str, An
                 walks["valid"] += 1
                 walks["valid_accepted"] += ok
                 walks["valid_accepted_in_schema_order"] += ok_in_order
+                if not ok_in_order:
+                    rejected.append(f"{r['file']}: {compact(data)[:160]}")
             else:
                 walks["invalid"] += 1
                 walks["invalid_rejected"] += not ok_in_order
@@ -275,6 +280,7 @@ def compile_and_walk(backend: Any, tokenizer: Any, docs: list[tuple[dict[str, An
         / max(walks["valid"], 1),
         "invalid_rejected_share": walks["invalid_rejected"] / max(walks["invalid"], 1),
         "invalid_accepted_unexplained_files": unexplained,
+        "valid_rejected_files": rejected,
     }
     return {"report": report, "compiled": compiled_docs}
 
