@@ -21,22 +21,22 @@ Three kinds of departure:
    ``dependentSchemas``/``dependencies``, ``not``, ``if``/``then``/``else``, ``unevaluatedItems``,
    ``$dynamicRef``/``$recursiveRef``, ``required`` names absent from ``properties``, ``oneOf``
    exclusivity, any constraint beside the keyword outlines dispatched on (``type`` next to ``enum``,
-   ``pattern`` next to ``maxLength``, siblings of ``$ref`` in drafts where they apply, ...), and
-   recursive ``$ref`` (expanded three levels deep, after which even required properties are dropped).
+   ``pattern`` next to ``maxLength``, siblings of ``$ref`` in drafts where they apply, ...).
    :func:`check_schema` raises :class:`UnsupportedSchemaError` for them in strict mode, else warns;
    the backend records them on the compiled grammar (``ignored_keywords``) without warning.
 2. **Miscompiled** (always an error): ``allOf`` with two or more subschemas, which outlines-core
    compiles as the *concatenation* of the subschemas' regexes (``{"a":1}{"b":2}``), never valid JSON;
    ``properties`` beside a ``type`` that excludes objects (``{"type": "array", "items": ...,
-   "properties": {}}``: outlines-core emits an object), and ``prefixItems`` beside a ``type`` that
-   excludes arrays.
+   "properties": {}}``: outlines-core emits an object), ``prefixItems`` beside a ``type`` that
+   excludes arrays, and a recursive ``$ref``, which outlines-core unrolls three levels deep and can end
+   with a dangling comma (``{"v": 0, }``, issue 20): llguidance and xgrammar keep recursion a rule.
 3. **Narrower** than the schema (documented, not reported; output stays valid but some valid
    documents cannot be produced): objects are closed (``additionalProperties`` next to ``properties``
    is ignored, absent means forbidden) and their properties come in schema order; ``prefixItems``
    arrays have exactly that many items; ``pattern`` must match the whole string; strings cannot use
    ``\\uXXXX`` escapes nor hold raw U+007F-U+009F; numbers need a signed exponent (``1e+5``, not
    ``1e5``); integers cannot be written ``1.0``; the ``format`` regexes (``uri``, ``email``, ...)
-   cover a subset of the RFCs; recursion stops at depth 3; whitespace follows the grammar's pattern.
+   cover a subset of the RFCs; whitespace follows the grammar's pattern.
 
 Schemas outlines-core cannot compile at all (``not`` alone, unsupported ``format``, external
 ``$ref``, draft-4 tuple ``items``, boolean subschemas, a constraint without ``type`` such as
@@ -85,7 +85,6 @@ IGNORED_KEYWORDS: dict[str, str] = {
     "$recursiveRef": "recursive references are not followed",
     "required": "a required property missing from properties is not required",
     "oneOf": "oneOf is compiled as anyOf: a value matching several branches is accepted",
-    "$ref": "recursive $ref is expanded three levels deep; deeper (even required) properties are dropped",
     "minItems": "minItems is not enforced next to prefixItems",
     "maxItems": "maxItems is not enforced next to prefixItems",
 }
@@ -235,7 +234,16 @@ class _Walker:
             return  # outlines-core raises on external or broken references itself
         target_pointer, target = resolved
         if target_pointer in ref_stack:
-            self.flag("$ref", pointer)
+            # issue 20: the unrolled recursion can end in a dangling comma ({"v": 0, }): refused, not
+            # truncated (llguidance and xgrammar keep recursion a grammar rule)
+            self.miscompiled.append(
+                SchemaFinding(
+                    "$ref",
+                    pointer,
+                    "a recursive $ref, which outlines-core unrolls three levels deep and can end with a "
+                    "dangling comma (invalid JSON)",
+                )
+            )
             return
         if target_pointer in self.visited_refs:
             return
@@ -505,7 +513,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def validate_instance(text: str, schema: dict[str, Any] | bool) -> bool:
+def validate_instance(text: str, schema: dict[str, Any] | bool) -> bool | None:
     """Whether ``text`` is one JSON document valid against ``schema``.
 
     Parsing is strict JSON (``NaN``/``Infinity`` rejected; duplicate keys keep the last, as Python's
@@ -513,9 +521,12 @@ def validate_instance(text: str, schema: dict[str, Any] | bool) -> bool:
     (2020-12 when absent) and its defaults, so ``format`` is an annotation, not checked.
 
     Returns:
-        False when ``text`` does not parse, True/False from the validator otherwise.
+        False when ``text`` does not parse, True/False from the validator otherwise, None when the
+        schema cannot be evaluated (a reference ``jsonschema`` cannot resolve, e.g. a remote ``$ref``:
+        nothing is fetched).
     """
     from jsonschema import validators
+    from referencing.exceptions import Unresolvable
 
     try:
         instance = json.loads(text, parse_constant=_reject_constant)
@@ -524,4 +535,7 @@ def validate_instance(text: str, schema: dict[str, Any] | bool) -> bool:
     if isinstance(schema, bool):
         return schema
     validator = validators.validator_for(schema)(schema)
-    return bool(validator.is_valid(instance))
+    try:
+        return bool(validator.is_valid(instance))
+    except Unresolvable:
+        return None

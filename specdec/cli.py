@@ -76,6 +76,11 @@ def _generate(args: argparse.Namespace) -> int:
             spec["policy"] = args.spec_policy
         if args.grammar_forced_drafts:
             spec["grammar_forced_drafts"] = True
+    if args.grammar_forced_drafts and args.drafter is None:
+        raise SystemExit(
+            "--grammar-forced-drafts extends a drafter's chains: give --drafter too "
+            "(--drafter grammar drafts the forced tokens alone)"
+        )
     params = sampling_params_from_args(args)  # before loading the model: a bad constraint fails fast
     llm = LLM(
         args.model,

@@ -74,3 +74,14 @@ def test_bad_constraints_are_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         parse(*argv)
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_grammar_forced_drafts_needs_a_drafter():
+    """``--grammar-forced-drafts`` extends a drafter's chains: alone it is an error, before any model
+    loads (not silently ignored)."""
+    from specdec.cli import _generate
+
+    with pytest.raises(SystemExit, match="give --drafter too"):
+        _generate(parse("--grammar-forced-drafts", "--json-schema", '{"type": "object"}'))
+    args = parse("--grammar-forced-drafts", "--drafter", "ngram")
+    assert args.grammar_forced_drafts and args.drafter == "ngram"

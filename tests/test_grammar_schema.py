@@ -62,9 +62,6 @@ IGNORED_CASES = [
     ("required", {"type": "object", "properties": {"a": INT}, "required": ["b"]}, {}),
     ("required", {"type": "object", "required": ["a"]}, {}),
     ("oneOf", {"oneOf": [INT, {"type": "number"}]}, 1),
-    ("$ref", {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
-                              "required": ["c"]}},
-              "$ref": "#/$defs/n"}, {"c": {"c": {"c": {}}}}),
     ("minItems", {"prefixItems": [INT], "minItems": 2}, [1]),
     ("maxItems", {"prefixItems": [INT, INT], "maxItems": 1}, [1, 2]),
     ("uniqueItems", {"prefixItems": [INT, INT], "uniqueItems": True}, [1, 1]),
@@ -100,6 +97,33 @@ def test_ignored_keyword_is_flagged_and_really_ignored(backend, keyword, schema,
     assert not miscompiled
     assert not validate_instance(json.dumps(instance), schema)  # jsonschema rejects it...
     assert grammar_accepts(backend, schema, instance)  # ...the grammar does not
+
+
+def test_recursive_refs_are_refused_not_truncated(backend):
+    """Issue 20: outlines-core unrolls a recursive ``$ref`` three levels deep and can leave a dangling
+    comma (``{"v": 0, }``), so such a schema is a miscompiled finding: refused, never compiled."""
+    from grammars import GrammarCompileError
+
+    schema = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"v": INT, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                "required": ["v", "next"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    }
+    _, miscompiled = find_ignored_keywords(schema)
+    assert [f.keyword for f in miscompiled] == ["$ref"] and "dangling comma" in str(miscompiled[0])
+    with pytest.raises(GrammarCompileError, match="recursive"):
+        backend.compile(GrammarSpec.json_schema(schema))
+
+
+def test_validate_instance_of_a_schema_it_cannot_evaluate_is_none():
+    """A remote ``$ref`` (nothing is fetched): ``schema_valid`` is None, not a crash after the work."""
+    assert validate_instance("{}", {"$ref": "http://example.com/x.json"}) is None
+    assert validate_instance("{", {"$ref": "http://example.com/x.json"}) is False  # does not parse
 
 
 def test_every_listed_keyword_has_a_verified_case():
