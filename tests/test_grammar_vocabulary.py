@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grammars import (
+    GrammarCompileError,
     GrammarSpec,
     OutlinesBackend,
     allocate_token_bitmask,
@@ -214,18 +215,19 @@ def test_recursive_ref(smol_backend, smol_tokenizer):
     instance = {"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}, {"value": -4}]}
     assert validate_instance(compact(instance), schema)
     spec = GrammarSpec.json_schema(schema)
-    compiled = smol_backend.compile(spec)
-    if smol_backend.name == "outlines":  # unrolled three levels deep: flagged
-        with pytest.warns(UserWarning, match=r"\$ref at #/\$defs/node/properties/children/items"):
+    if smol_backend.name == "outlines":  # it would unroll three levels deep: refused (issue 20)
+        with pytest.raises(GrammarCompileError, match=r"\$ref at #/\$defs/node/properties/children/items"):
+            smol_backend.compile(spec)
+        with pytest.raises(GrammarCompileError, match="recursive"):
             check_schema(schema, strict=False)
-        assert any(k.startswith("$ref") for k in compiled.ignored_keywords)
-    else:  # llguidance, xgrammar: a grammar rule, enforced at any depth
-        assert compiled.ignored_keywords == ()
-        deep: dict = {"value": 0}
-        for depth in range(1, 8):
-            deep = {"value": depth, "children": [deep]}
-        g, ids, n = accept_text(smol_backend, smol_tokenizer, spec, compact(deep))
-        assert n == len(ids) and g.is_final()
+        return
+    compiled = smol_backend.compile(spec)  # llguidance, xgrammar: a grammar rule, enforced at any depth
+    assert compiled.ignored_keywords == ()
+    deep: dict = {"value": 0}
+    for depth in range(1, 8):
+        deep = {"value": depth, "children": [deep]}
+    g, ids, n = accept_text(smol_backend, smol_tokenizer, spec, compact(deep))
+    assert n == len(ids) and g.is_final()
     g, ids, n = accept_text(smol_backend, smol_tokenizer, spec, compact(instance))
     assert n == len(ids) and g.is_final()
     bad = compact({"value": 1, "children": [{"children": []}]})  # inner node misses "value"
