@@ -149,7 +149,7 @@ def forced_tokens(
     vocabulary = getattr(getattr(grammar, "compiled", None), "vocabulary", None)
     text = b""
     if vocabulary is not None:
-        text = b"".join(_piece(vocabulary, t) for t in list(context[-_CONTEXT_TOKENS:]) + out)
+        text = b"".join(_piece(vocabulary, t) for t in list(context[-CONTEXT_TOKENS:]) + out)
     try:
         row = allocate_token_bitmask(1, vocab_size)
         while len(out) < max_tokens and not grammar.is_terminated():
@@ -167,7 +167,7 @@ def forced_tokens(
 #: more allowed tokens than this at a step is a real choice (not a forced string's tokenizations)
 _MAX_PREFIX_CHAIN = 16
 #: the request's last tokens searched for its spacing habits
-_CONTEXT_TOKENS = 256
+CONTEXT_TOKENS = 256
 _WHITESPACE = (b" ", b"\t", b"\n", b"\r")
 
 

@@ -30,7 +30,7 @@ import torch
 from specdec.drafters.base import Drafter, DrafterBase, DrafterContext, DraftInput, DraftProposal
 from specdec.drafters.registry import register_drafter
 from specdec.request import Request
-from specdec.structured import forced_tokens
+from specdec.structured import CONTEXT_TOKENS, forced_tokens
 
 
 class GrammarForcedDrafter(DrafterBase):
@@ -66,40 +66,38 @@ class GrammarForcedDrafter(DrafterBase):
         if grammar is None or x.max_drafts <= 0 or (proposal.parents is not None and proposal.token_ids):
             self._num_inner[req.request_id] = len(proposal.token_ids)
             return proposal
-        tokens = [int(t) for t in proposal.token_ids[: x.max_drafts]]
-        tokens = tokens[: grammar.validate_tokens(tokens)]
-        self._num_inner[req.request_id] = len(tokens)
         probs = proposal.draft_probs
         # a deterministic inner drafter that can continue a hypothetical context (n-gram lookup) drafts
         # again after each run of forced tokens
         resume = getattr(self.inner, "continue_draft", None) if probs is None else None
-        accepted = 0
+        tokens: list[int] = []  # accepted by the grammar as they are added; rolled back at the end
         forced_rows: list[int] = []  # positions of forced tokens in ``tokens``
+
+        def take(candidates) -> int:
+            """Accept ``candidates`` up to the first the grammar forbids; how many were taken."""
+            n = 0
+            for t in candidates:
+                if not grammar.accept_token(int(t)):
+                    break
+                tokens.append(int(t))
+                n += 1
+            return n
+
         try:
-            for t in tokens:
-                grammar.accept_token(t)
-                accepted += 1
+            self._num_inner[req.request_id] = take(proposal.token_ids[: x.max_drafts])
+            context = req.token_ids[-CONTEXT_TOKENS:]  # what forced_tokens reads of the request
             while len(tokens) < x.max_drafts:
                 forced = forced_tokens(
-                    grammar, x.max_drafts - len(tokens), self.vocab_size, req.stop_ids, req.token_ids + tokens
+                    grammar, x.max_drafts - len(tokens), self.vocab_size, req.stop_ids, context + tokens
                 )
-                for t in forced:
-                    grammar.accept_token(t)
-                    accepted += 1
-                forced_rows.extend(range(len(tokens), len(tokens) + len(forced)))
-                tokens.extend(forced)
-                more: list[int] = []
+                forced_rows.extend(range(len(tokens), len(tokens) + take(forced)))
+                more = 0
                 if resume is not None and forced and len(tokens) < x.max_drafts:
-                    more = [int(t) for t in resume(req, tokens, x.max_drafts - len(tokens))]
-                    more = more[: grammar.validate_tokens(more)]
-                    for t in more:
-                        grammar.accept_token(t)
-                        accepted += 1
-                    tokens.extend(more)
+                    more = take(resume(req, tokens, x.max_drafts - len(tokens)))
                 if not more:
                     break
         finally:
-            grammar.rollback(accepted)
+            grammar.rollback(len(tokens))
         self.num_forced_drafts += len(forced_rows)
         if probs is not None and forced_rows:  # forced tokens follow the inner chain: one-hot rows
             one_hot = torch.zeros(len(forced_rows), probs.shape[-1], dtype=probs.dtype, device=probs.device)
