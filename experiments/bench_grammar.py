@@ -18,8 +18,10 @@ For a deterministic sample of schemas (``per_subset`` smallest of each subset, o
   forced tokens; the forced tokens alone; EAGLE chains; EAGLE-2 trees, every node masked along its own
   path): finished outputs that parse as JSON and that are schema-valid (``jsonschema``), the share
   ended by length, τ, tokens per target forward over all decode steps, the share of outputs identical
-  to plain decoding, and per-token mask time p50 / p99 (µs; ``Grammar.fill_bitmask`` calls timed in
-  place); ``figure`` plots the modes;
+  to plain decoding, per-token mask time p50 / p99 (µs; ``Grammar.fill_bitmask`` calls timed in
+  place, on the worker thread that computes them beside the forward) and per step the time the step
+  waited for its masks after the forward (µs; the mask time left on the critical path, see
+  :mod:`specdec.engine.grammar_masks`); ``figure`` plots the modes;
 - decode speed at batch 1 on ``speed_prompts`` schemas: tokens/s with the grammar vs the same prompts
   without it, each with and without n-gram speculation (same process, same prompts; first backend).
 
@@ -327,6 +329,8 @@ def generate_all(
         runner = llm if spec is None else LLM("smollm2-135m-instruct", speculative_config=spec)
         runner.engine.grammar_backend = backend
         timer = MaskTimer()
+        prefetch = runner.engine.mask_prefetch
+        waits_before = len(prefetch.wait_s) if prefetch is not None else 0
         t = time.perf_counter()
         params = [
             SamplingParams(temperature=0, max_tokens=max_tokens, json_schema=doc["schema"])
@@ -335,6 +339,7 @@ def generate_all(
         outs = runner.generate(prompts, params)
         wall = time.perf_counter() - t
         timer.close()
+        waits = [1e6 * w for w in list(prefetch.wait_s)[waits_before:]] if prefetch is not None else []
         finished = [
             (o.outputs[0], c)
             for o, (_, _, c) in zip(outs, compiled_docs)
@@ -368,6 +373,9 @@ def generate_all(
             "mask_us_p50": percentile(timer.times_us, 0.5),
             "mask_us_p99": percentile(timer.times_us, 0.99),
             "num_mask_calls": len(timer.times_us),
+            # per step: what the step waited for its masks after the forward (computed beside it)
+            "mask_wait_us_p50": percentile(waits, 0.5),
+            "mask_wait_us_p99": percentile(waits, 0.99),
         }
         if spec is not None:
             stats = runner.engine.spec_stats
@@ -502,8 +510,8 @@ def format_table(report: dict[str, Any]) -> str:
             "",
             f"{name}, {report.get('num_generation_schemas')} schemas, greedy:",
             "| mode | finished | parse | valid | length | τ | tokens / forward | = plain | forced drafts "
-            "| mask p50 / p99 (µs) | wall (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| mask p50 / p99 (µs) | mask wait per step p50 / p99 (µs) | wall (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for mode, g in gen.items():
             same = g.get("same_as_plain")
@@ -512,7 +520,9 @@ def format_table(report: dict[str, Any]) -> str:
                 f"| {g['finished_valid_share']:.0%} | {g['length_share']:.0%} "
                 f"| {g.get('mean_acceptance_length', 1.0):.2f} | {g['tokens_per_forward']:.2f} "
                 f"| {'-' if same is None else f'{same:.0%}'} | {g.get('num_forced_drafts', 0)} "
-                f"| {g['mask_us_p50'] or 0:.0f} / {g['mask_us_p99'] or 0:.0f} | {g['wall_s']:.0f} |"
+                f"| {g['mask_us_p50'] or 0:.0f} / {g['mask_us_p99'] or 0:.0f} "
+                f"| {g.get('mask_wait_us_p50') or 0:.0f} / {g.get('mask_wait_us_p99') or 0:.0f} "
+                f"| {g['wall_s']:.0f} |"
             )
     if "speed_batch1" in report:
         lines.append(json.dumps(report["speed_batch1"]))

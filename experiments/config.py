@@ -69,12 +69,14 @@ class DrafterConfig:
         policy_kwargs: its parameters (``'+drafter.policy_kwargs.schedule=[[4,4],[16,1]]'``).
         grammar_forced_drafts: constrained requests' chains are extended by the tokens their grammar
             forces (``drafter.grammar_forced_drafts=true``; :mod:`specdec.drafters.grammar_forced`).
+        max_forced_drafts: their positions beyond k (``drafter.max_forced_drafts=8``; None: k).
     """
 
     method: str = MISSING
     policy: str = "static"
     policy_kwargs: dict[str, Any] = field(default_factory=dict)
     grammar_forced_drafts: bool = False
+    max_forced_drafts: int | None = None
 
     def speculative_config(self) -> dict[str, Any] | None:
         """The ``speculative_config`` argument of ``specdec.LLM`` (None: no speculation): the drafter's
@@ -85,6 +87,8 @@ class DrafterConfig:
             spec["policy_kwargs"] = dict(self.policy_kwargs) or None
         if spec is not None and self.grammar_forced_drafts:
             spec["grammar_forced_drafts"] = True
+        if spec is not None and self.max_forced_drafts is not None:
+            spec["max_forced_drafts"] = self.max_forced_drafts
         return spec
 
     def _method_config(self) -> dict[str, Any] | None:

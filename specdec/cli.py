@@ -76,6 +76,10 @@ def _generate(args: argparse.Namespace) -> int:
             spec["policy"] = args.spec_policy
         if args.grammar_forced_drafts:
             spec["grammar_forced_drafts"] = True
+        if args.max_forced_drafts is not None:
+            spec["max_forced_drafts"] = args.max_forced_drafts
+    if args.max_forced_drafts is not None and not args.grammar_forced_drafts:
+        raise SystemExit("--max-forced-drafts needs --grammar-forced-drafts")
     if args.grammar_forced_drafts and args.drafter is None:
         raise SystemExit(
             "--grammar-forced-drafts extends a drafter's chains: give --drafter too "
@@ -231,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--grammar-forced-drafts",
         action="store_true",
         help="append the tokens a constrained request's grammar forces to the drafter's chains",
+    )
+    g.add_argument(
+        "--max-forced-drafts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --grammar-forced-drafts: draft positions beyond k for them (default: k)",
     )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)

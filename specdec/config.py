@@ -176,7 +176,7 @@ DEFAULT_TREE_CHOICES: tuple[tuple[int, ...], ...] = (
 #: (``register_drafter(fields=...)``) and keep their defaults elsewhere.
 _COMMON_FIELDS = (
     "method", "num_speculative_tokens", "model", "draft_dtype", "tree", "drafter_kwargs",
-    "policy", "policy_kwargs", "grammar_forced_drafts",
+    "policy", "policy_kwargs", "grammar_forced_drafts", "max_forced_drafts",
 )  # fmt: skip
 
 
@@ -245,6 +245,7 @@ class SpeculativeConfig:
     policy: str = "static"
     policy_kwargs: dict | None = None
     grammar_forced_drafts: bool = False
+    max_forced_drafts: int | None = None
 
     def __post_init__(self) -> None:
         from specdec.drafters.registry import drafter_names, get_drafter
@@ -267,6 +268,14 @@ class SpeculativeConfig:
             raise ConfigError(f"drafter_kwargs must be a dict, got {self.drafter_kwargs!r}")
         if not isinstance(self.grammar_forced_drafts, bool):
             raise ConfigError(f"grammar_forced_drafts must be a bool, got {self.grammar_forced_drafts!r}")
+        if self.max_forced_drafts is not None:
+            _check_int("max_forced_drafts", self.max_forced_drafts, 0)
+            if self.max_forced_drafts > MAX_SPECULATIVE_TOKENS * 2:
+                raise ConfigError(
+                    f"max_forced_drafts must be <= {MAX_SPECULATIVE_TOKENS * 2}, got {self.max_forced_drafts}"
+                )
+            if self.max_forced_drafts and not self.grammar_forced_drafts:
+                raise ConfigError("max_forced_drafts needs grammar_forced_drafts=True")
         if self.tree not in TREE_KINDS:
             raise ConfigError(f"tree must be one of {TREE_KINDS}, got {self.tree!r}")
         if self.tree not in entry.trees:
@@ -318,6 +327,14 @@ class SpeculativeConfig:
         """The static tree's paths, limited to depth k (and for Medusa, to k heads)."""
         choices = self.tree_choices if self.tree_choices is not None else DEFAULT_TREE_CHOICES
         return [list(c) for c in choices if len(c) <= self.num_speculative_tokens]
+
+    @property
+    def num_forced_draft_slots(self) -> int:
+        """Draft positions (and KV slots) beyond k that a constrained request may use for grammar-aware
+        drafting: ``max_forced_drafts`` (None: k) with ``grammar_forced_drafts``, else 0."""
+        if not self.grammar_forced_drafts:
+            return 0
+        return self.num_speculative_tokens if self.max_forced_drafts is None else self.max_forced_drafts
 
     @property
     def num_draft_slots(self) -> int:

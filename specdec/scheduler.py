@@ -59,6 +59,9 @@ class ScheduledRequest:
             None for a deterministic drafter.
         draft_tree: the drafts' tree when they are not a chain (``draft_tree.token_ids ==
             draft_token_ids``), else None.
+        num_forced_slots: the part of ``num_draft_slots`` and ``max_draft_depth`` beyond the drafter's
+            own, for grammar-aware drafting (``SpeculativeConfig.max_forced_drafts``; constrained
+            requests only): the drafter itself is asked for ``max_draft_depth - num_forced_slots``.
     """
 
     request: Request
@@ -69,6 +72,7 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     draft_tree: TokenTree | None = None
+    num_forced_slots: int = 0
 
 
 @dataclass
@@ -91,11 +95,14 @@ class Scheduler:
         max_model_len: int,
         num_speculative_tokens: int = 0,
         num_draft_slots: int | None = None,
+        num_forced_draft_slots: int = 0,
     ) -> None:
         self.config = config
         self.num_speculative_tokens = num_speculative_tokens
         #: Slots reserved per drafting request (a tree's size; k for chains).
         self.num_draft_slots = num_speculative_tokens if num_draft_slots is None else num_draft_slots
+        #: Extra draft positions and slots of a constrained request, for grammar-aware drafting.
+        self.num_forced_draft_slots = num_forced_draft_slots
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -112,10 +119,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _plan(self, req: Request, num_computed: int, budget: int) -> tuple[int, int, int] | None:
-        """``(num_new_tokens, draft_slots, draft_depth)`` for a request whose first ``num_computed``
-        tokens are in the cache (computed, or prefix-cache hits), within ``budget`` tokens; None when it
-        must sit this step out.
+    def _plan(self, req: Request, num_computed: int, budget: int) -> tuple[int, int, int, int] | None:
+        """``(num_new_tokens, draft_slots, draft_depth, forced_slots)`` for a request whose first
+        ``num_computed`` tokens are in the cache (computed, or prefix-cache hits), within ``budget``
+        tokens; None when it must sit this step out.
 
         A step whose new tokens reach the end of the committed sequence (a decode step, or the last
         chunk of a prefill or of a recompute after preemption) also verifies drafts. Their number depends
@@ -126,22 +133,26 @@ class Scheduler:
         step, with its drafts) and a decode step waits for the next step. So the drafts a request
         verifies, and the random numbers a seeded request draws, do not depend on the other requests,
         on aborts or on preemption. The oldest request always has the whole budget, so it always runs.
+        A constrained request's slots and depth include ``num_forced_draft_slots`` more, for
+        grammar-aware drafting (``forced_slots``: how many of them it got).
         """
         todo = req.num_tokens - num_computed
         n = min(todo, budget)
         if not self.num_speculative_tokens or n != todo:
-            return n, 0, 0
+            return n, 0, 0, 0
+        forced = self.num_forced_draft_slots if req.grammar is not None else 0
         remaining = req.sampling_params.max_tokens - req.num_output_tokens
         room = self.max_model_len - req.num_tokens
         step_cap = self.config.max_num_batched_tokens - 1
-        depth = max(0, min(self.num_speculative_tokens, remaining - 1, room - 1, step_cap))
+        depth = max(0, min(self.num_speculative_tokens + forced, remaining - 1, room - 1, step_cap))
         if depth == 0:
-            return n, 0, 0
-        slots = min(self.num_draft_slots, step_cap)
+            return n, 0, 0, 0
+        slots = min(self.num_draft_slots + forced, step_cap)
         if n + slots <= budget:
-            return n, slots, min(depth, slots)
+            depth = min(depth, slots)
+            return n, slots, depth, max(0, depth - self.num_speculative_tokens)
         if n > 1:
-            return n - 1, 0, 0
+            return n - 1, 0, 0, 0
         return None
 
     def _preempt(self, request: Request) -> None:
@@ -164,7 +175,7 @@ class Scheduler:
             if plan is None:  # a decode step whose drafts do not fit what is left: next step
                 i += 1
                 continue
-            n, k, depth = plan
+            n, k, depth, forced = plan
             while not self.kv.allocate_slots(req, n + k):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -173,7 +184,7 @@ class Scheduler:
                     break
             else:
                 sample = req.num_computed_tokens + n == req.num_tokens
-                scheduled.append(ScheduledRequest(req, n, sample, k, depth))
+                scheduled.append(ScheduledRequest(req, n, sample, k, depth, num_forced_slots=forced))
                 budget -= n + k
                 i += 1
                 continue
@@ -186,7 +197,7 @@ class Scheduler:
                 plan = self._plan(req, num_hit_tokens, budget)
                 if plan is None:
                     break
-                n, k, depth = plan
+                n, k, depth, forced = plan
                 if not self.kv.allocate_slots(req, n, k, new_computed_blocks=hits):
                     break
                 self.waiting.popleft()
@@ -199,7 +210,7 @@ class Scheduler:
                     keys = [r.arrival_index for r in self.running]
                     self.running.insert(bisect.bisect(keys, req.arrival_index), req)
                 sample = req.num_computed_tokens + n == req.num_tokens
-                scheduled.append(ScheduledRequest(req, n, sample, k, depth))
+                scheduled.append(ScheduledRequest(req, n, sample, k, depth, num_forced_slots=forced))
                 budget -= n + k
         return SchedulerOutput(scheduled, preempted)
 

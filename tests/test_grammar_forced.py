@@ -79,3 +79,40 @@ def test_config_and_registry():
         SpeculativeConfig(method="ngram", grammar_forced_drafts="yes")
     with pytest.raises(ConfigError, match="takes no model"):
         SpeculativeConfig(method="grammar", model="smollm2-135m-instruct")
+    # positions beyond k for grammar-aware drafting: k by default, only with grammar_forced_drafts
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=3).num_forced_draft_slots == 0
+    assert (
+        SpeculativeConfig(
+            method="ngram", num_speculative_tokens=3, grammar_forced_drafts=True
+        ).num_forced_draft_slots
+        == 3
+    )
+    spec = SpeculativeConfig(method="ngram", grammar_forced_drafts=True, max_forced_drafts=0)
+    assert spec.num_forced_draft_slots == 0
+    with pytest.raises(ConfigError, match="max_forced_drafts needs grammar_forced_drafts=True"):
+        SpeculativeConfig(method="ngram", max_forced_drafts=4)
+    with pytest.raises(ConfigError, match="max_forced_drafts must be an integer >= 0, got -1"):
+        SpeculativeConfig(method="ngram", grammar_forced_drafts=True, max_forced_drafts=-1)
+
+
+def test_scheduler_reserves_forced_positions_for_constrained_requests_only():
+    """k = 2 and 3 forced positions: a constrained request may draft 5 (the drafter asked for 2), an
+    unconstrained one 2; near ``max_tokens`` the forced part shrinks first."""
+    from sampling.params import SamplingParams
+    from specdec.config import SchedulerConfig
+    from specdec.kv_cache.manager import KVCacheManager
+    from specdec.request import Request
+    from specdec.scheduler import Scheduler
+
+    kv = KVCacheManager(64, 4, False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, 64, 2, 2, 3)
+    free = Request("free", [1, 2, 3], SamplingParams(max_tokens=20), 0, (EOS,))
+    constrained = Request("json", [1, 2, 3], SamplingParams(max_tokens=20), 0, (EOS,))
+    constrained.grammar = object()  # the scheduler only asks whether there is one
+    short = Request("short", [1, 2, 3], SamplingParams(max_tokens=4), 0, (EOS,))
+    short.grammar = object()
+    # a decode step (the last token is new): (num_new_tokens, draft slots, draft depth, forced slots)
+    plans = {r.request_id: sched._plan(r, 2, 64) for r in (free, constrained, short)}
+    assert plans["free"] == (1, 2, 2, 0)
+    assert plans["json"] == (1, 5, 5, 3)
+    assert plans["short"] == (1, 5, 3, 1)  # max_tokens 4: at most 3 drafts, 2 of them the drafter's

@@ -219,12 +219,14 @@ def make_llm(setup, mode: str, grammar_backend: str = "auto") -> LLM:
     spec = None
     if mode == "grammar":  # the grammar's forced tokens alone (the longest of c / cd: cd)
         spec = {"method": "grammar", "num_speculative_tokens": 3}
-    if mode == "forced":  # the grammar's forced tokens drafted after a draft model's sampled token
+    if mode == "forced":  # the grammar's forced tokens drafted after a draft model's sampled token, in
+        # the positions beyond k reserved for them (max_forced_drafts)
         spec = {
             "method": "draft_model",
             "model": str(setup["draft"]),
-            "num_speculative_tokens": 3,
+            "num_speculative_tokens": 1,
             "grammar_forced_drafts": True,
+            "max_forced_drafts": 2,
         }
     if mode == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 2}
@@ -242,17 +244,6 @@ def make_llm(setup, mode: str, grammar_backend: str = "auto") -> LLM:
         max_num_batched_tokens=n * (len(PROMPT) + K + 1),
         grammar_backend=grammar_backend,
     )
-    if mode == "forced":  # the draft model's chain cut to its first token: the forced drafts follow it
-        inner = llm.engine.drafter.inner
-        propose = inner.propose
-
-        def first_only(batch):
-            return [
-                DraftProposal(p.token_ids[:1], None if p.draft_probs is None else p.draft_probs[:1])
-                for p in propose(batch)
-            ]
-
-        inner.propose = first_only
     return llm
 
 
@@ -352,7 +343,8 @@ def test_negative_control_tree_rows_masked_at_the_root_fails(setup, monkeypatch)
 def test_forced_drafts_keep_the_masked_target_distribution(setup, mode, backend):
     """Grammar-aware drafting (issue 20) under FORCED_REGEX ``[ab]cd[ab]d``. ``forced``: a draft model
     samples one token (its ``draft_probs`` row: ``c`` or ``cd`` after ``a``/``b``) and the wrapper
-    appends what the grammar forces after it (``d`` after ``c``; k = 3) with one-hot rows. ``grammar``:
+    appends what the grammar forces after it (``d`` after ``c``) with one-hot rows, beyond k = 1 (in the
+    ``max_forced_drafts`` = 2 positions reserved for them). ``grammar``:
     the forced tokens alone, deterministic; after ``a``/``b`` the allowed ``c`` and ``cd`` are a prefix
     chain, so ``cd`` is drafted and the target rejects it whenever it samples ``c``. 25,000 samples
     against the exact masked joint, per temperature."""
@@ -369,7 +361,32 @@ def test_forced_drafts_keep_the_masked_target_distribution(setup, mode, backend)
     stats = llm.engine.spec_stats
     assert llm.engine.drafter.num_forced_drafts > 0
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert len(llm.engine.mask_prefetch.wait_s) > 0  # masks computed beside the forward
+    if mode == "forced":  # drafts verified and accepted beyond k = 1
+        assert len(stats.accepted_per_position) == 2 and stats.accepted_per_position[1] > 0
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("mode", ["tree", "forced"])
+def test_masks_computed_beside_the_forward_are_the_inline_ones(setup, mode):
+    """The engine computes the step's bitmasks on a worker thread during the forward
+    (:mod:`specdec.engine.grammar_masks`): seeded and greedy outputs are token for token those of the
+    same engine computing them inline, after the forward, and the worker really ran."""
+    params = [
+        SamplingParams(
+            temperature=t, seed=1000 + i, max_tokens=5, regex=FORCED_REGEX if mode == "forced" else REGEX
+        )
+        for i, t in enumerate([0.0, 0.8, 1.3] * 40)
+    ]
+    prompts = [{"prompt_token_ids": PROMPT}] * len(params)
+    llm = make_llm(setup, mode, "llguidance")
+    beside = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    prefetch = llm.engine.mask_prefetch
+    assert len(prefetch.compute_s) > 0 and len(prefetch.wait_s) == len(prefetch.compute_s)
+    llm.engine.mask_prefetch = None
+    inline = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert beside == inline
+    assert len({tuple(x) for x in beside}) >= 6  # the seeds drew different outputs (8 match FORCED_REGEX)
 
 
 def test_negative_control_forced_drafts_with_uniform_rows_fail(setup, monkeypatch):

@@ -182,6 +182,9 @@ def test_greedy_output_is_the_same_with_and_without_speculation_and_free_rows_ar
             assert stats.num_draft_nodes > stats.num_draft_tokens
         if spec.get("grammar_forced_drafts") or spec["method"] == "grammar":
             assert spec_llm.engine.drafter.num_forced_drafts > 0
+        if spec.get("grammar_forced_drafts"):  # and verified, accepted, beyond k (max_forced_drafts: k)
+            k = spec["num_speculative_tokens"]
+            assert len(stats.accepted_per_position) > k and stats.accepted_per_position[k] > 0
         assert spec_llm.engine.kv.num_free_blocks == spec_llm.engine.num_kv_blocks
 
 

@@ -42,12 +42,15 @@ class DraftInput:
             e.g. a prefill chunk that is not the prompt's last; the last chunk may carry drafts).
         max_tree_nodes: most nodes of a token tree (the KV slots reserved for drafts); chain drafters
             ignore it.
+        max_forced_drafts: positions a constrained request's chain may have beyond ``max_drafts``, for
+            grammar-aware drafting (:mod:`specdec.drafters.grammar_forced`); other drafters ignore it.
     """
 
     request: Request
     num_new_tokens: int
     max_drafts: int
     max_tree_nodes: int = 0
+    max_forced_drafts: int = 0
 
 
 @dataclass

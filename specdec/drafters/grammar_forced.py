@@ -7,9 +7,11 @@ grammar allows has probability 1 under the masked target: it is always accepted.
 
 - ``speculative_config={..., "grammar_forced_drafts": True}`` wraps the configured drafter: its chain is
   cut at the first token the grammar forbids, then extended by the tokens the grammar forces after it
-  (:func:`specdec.structured.forced_tokens`), up to ``max_drafts``. A deterministic drafter with a
-  ``continue_draft(request, drafts, max_drafts)`` method (n-gram lookup has one) drafts again after
-  each run of forced tokens, from the context they extend: forced, looked up, forced, ...;
+  (:func:`specdec.structured.forced_tokens`), up to ``max_drafts + max_forced_drafts`` positions: k,
+  then ``SpeculativeConfig.max_forced_drafts`` more reserved for constrained requests (forced tokens are
+  always accepted, so they need not compete with the drafter's guesses for k). A deterministic
+  drafter with a ``continue_draft(request, drafts, max_drafts)`` method (n-gram lookup has one) drafts
+  again after each run of forced tokens, from the context they extend: forced, looked up, forced, ...;
 - ``method="grammar"`` drafts the forced tokens alone (a drafter of its own, no model).
 
 Exactness: forced tokens are drafts like any other, verified by the exact rejection sampler. Their
@@ -63,7 +65,8 @@ class GrammarForcedDrafter(DrafterBase):
 
     def _extend(self, x: DraftInput, proposal: DraftProposal) -> DraftProposal:
         req, grammar = x.request, x.request.grammar
-        if grammar is None or x.max_drafts <= 0 or (proposal.parents is not None and proposal.token_ids):
+        total = x.max_drafts + x.max_forced_drafts  # the chain's length: the drafter's part, then more
+        if grammar is None or total <= 0 or (proposal.parents is not None and proposal.token_ids):
             self._num_inner[req.request_id] = len(proposal.token_ids)
             return proposal
         probs = proposal.draft_probs
@@ -86,14 +89,14 @@ class GrammarForcedDrafter(DrafterBase):
         try:
             self._num_inner[req.request_id] = take(proposal.token_ids[: x.max_drafts])
             context = req.token_ids[-CONTEXT_TOKENS:]  # what forced_tokens reads of the request
-            while len(tokens) < x.max_drafts:
+            while len(tokens) < total:
                 forced = forced_tokens(
-                    grammar, x.max_drafts - len(tokens), self.vocab_size, req.stop_ids, context + tokens
+                    grammar, total - len(tokens), self.vocab_size, req.stop_ids, context + tokens
                 )
                 forced_rows.extend(range(len(tokens), len(tokens) + take(forced)))
                 more = 0
-                if resume is not None and forced and len(tokens) < x.max_drafts:
-                    more = take(resume(req, tokens, x.max_drafts - len(tokens)))
+                if resume is not None and forced and len(tokens) < total:
+                    more = take(resume(req, tokens, total - len(tokens)))
                 if not more:
                     break
         finally:

@@ -123,7 +123,9 @@ def build_scheduler(
     spec: SpeculativeConfig | None,
 ) -> tuple[KVCacheManager, Scheduler]:
     """The block manager over ``parts.num_kv_blocks`` blocks and the scheduler that reserves, per
-    drafting request and step, ``spec.num_draft_slots`` KV slots (k for chains, the tree size for trees)."""
+    drafting request and step, ``spec.num_draft_slots`` KV slots (k for chains, the tree size for trees),
+    and ``spec.num_forced_draft_slots`` more for a constrained request under grammar-aware drafting."""
     kv = KVCacheManager(parts.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
     k, slots = (spec.num_speculative_tokens, spec.num_draft_slots) if spec else (0, 0)
-    return kv, Scheduler(scheduler_config, kv, parts.max_model_len, k, slots)
+    forced = spec.num_forced_draft_slots if spec else 0
+    return kv, Scheduler(scheduler_config, kv, parts.max_model_len, k, slots, forced)

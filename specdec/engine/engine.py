@@ -26,6 +26,7 @@ from specdec.engine.admission import GrammarAdmission, validate_request
 from specdec.engine.build import EngineParts, build_engine_parts, build_scheduler
 from specdec.engine.commit import commit_all
 from specdec.engine.cost_profile import step_costs
+from specdec.engine.grammar_masks import MaskPrefetch
 from specdec.engine.policy_step import apply_policy, observe_policy
 from specdec.engine.proposals import propose_drafts
 from specdec.engine.threads import ThreadPolicy
@@ -134,7 +135,7 @@ class LLMEngine:
         self.verifier: Verifier = SpeculativeVerifier()
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         #: KV slots a drafting request reserves per step (k for chains, the tree size for trees).
-        self.num_draft_slots = spec.num_draft_slots if spec else 0
+        self.num_draft_slots = spec.num_draft_slots + spec.num_forced_draft_slots if spec else 0
         #: Chooses each request's draft depth per step (None: plain decoding); assignable, as the drafter.
         self.policy: SpeculationPolicy | None = spec.build_policy() if spec else None
         self._policy_disabled: set[str] = set()  # requests whose policy failed: no drafts for them
@@ -159,6 +160,8 @@ class LLMEngine:
         self._num_faults = 0
         #: Chooses the intra-op thread count each step (set by ``LLM`` on the CPU); None: torch's setting.
         self.threads: ThreadPolicy | None = None
+        #: Computes constrained requests' token bitmasks beside the forward; None: after it, inline.
+        self.mask_prefetch: MaskPrefetch | None = MaskPrefetch()
 
     def reset_spec_stats(self) -> None:
         """Zero the aggregate acceptance counters (None when speculation is off)."""
@@ -335,9 +338,14 @@ class LLMEngine:
             if not scheduled:
                 return failed
         t0 = time.perf_counter()
-        logits, hidden = self._forward(scheduled)
+        vocab_size = self.model_cfg.vocab_size
+        masks = self.mask_prefetch.submit(scheduled, vocab_size) if self.mask_prefetch is not None else None
+        try:
+            logits, hidden = self._forward(scheduled)
+        finally:  # the worker is done with the grammars before anything else touches them
+            bitmasks = self.mask_prefetch.collect(masks) if self.mask_prefetch is not None else None
         batch = process_rows(
-            scheduled, logits, self.model_cfg.vocab_size, lambda s, m, scrub: self.fail(s.request, m, scrub)
+            scheduled, logits, vocab_size, lambda s, m, scrub: self.fail(s.request, m, scrub), bitmasks
         )
         results = sample_or_verify(batch, self.verifier, self.generator)
         logprobs = emitted_logprobs(batch, results)

@@ -23,17 +23,22 @@ logger = logging.getLogger("specdec.engine")
 
 
 def apply_policy(policy: SpeculationPolicy, scheduled: list[ScheduledRequest], disabled: set[str]) -> None:
-    """Lower each scheduled request's ``max_draft_depth`` to the policy's answer. ``disabled``: ids of
-    requests whose policy failed (they draft nothing; ids are added here, removed when they end)."""
+    """Lower each scheduled request's drafter depth (``max_draft_depth - num_forced_slots``) to the
+    policy's answer; the positions reserved for grammar-aware drafting stay (their drafts cost a slot
+    and are forced by the grammar). ``disabled``: ids of requests whose policy failed (they draft
+    nothing; ids are added here, removed when they end)."""
     for s in scheduled:
         if s.request.request_id in disabled:
-            s.max_draft_depth = 0
-    drafting = [s for s in scheduled if s.max_draft_depth > 0]
+            s.max_draft_depth = s.num_forced_slots = 0
+    drafting = [s for s in scheduled if s.max_draft_depth - s.num_forced_slots > 0]
     if not drafting:
         return
     num_tokens = sum(s.num_new_tokens for s in scheduled)
     inputs = [
-        PolicyInput(s.request, s.max_draft_depth, len(scheduled), len(drafting), num_tokens) for s in drafting
+        PolicyInput(
+            s.request, s.max_draft_depth - s.num_forced_slots, len(scheduled), len(drafting), num_tokens
+        )
+        for s in drafting
     ]
     try:
         answers = list(policy.decide(inputs))
@@ -44,8 +49,8 @@ def apply_policy(policy: SpeculationPolicy, scheduled: list[ScheduledRequest], d
     for s, x, depth in zip(drafting, inputs, answers):
         if not is_index(depth) or depth < 0:
             _disable(disabled, x, f"answered {depth!r}, not an integer >= 0")
-            depth = 0
-        s.max_draft_depth = min(s.max_draft_depth, int(depth))
+            depth = s.num_forced_slots = 0
+        s.max_draft_depth = min(x.max_drafts, int(depth)) + s.num_forced_slots
 
 
 def _decide_one(policy: SpeculationPolicy, x: PolicyInput, disabled: set[str]) -> int:

@@ -42,7 +42,14 @@ def propose_drafts(
     batched ``drafter.propose`` call (one by one if it raises: a request whose drafter raises alone
     ends through ``fail``)."""
     inputs = [
-        DraftInput(s.request, s.num_new_tokens, s.max_draft_depth, s.num_draft_slots) for s in scheduled
+        DraftInput(
+            s.request,
+            s.num_new_tokens,
+            s.max_draft_depth - s.num_forced_slots,
+            s.num_draft_slots - s.num_forced_slots,
+            s.num_forced_slots,
+        )
+        for s in scheduled
     ]
     by_request = {id(x.request): s for x, s in zip(inputs, scheduled)}
     proposed = run_isolated(

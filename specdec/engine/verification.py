@@ -8,7 +8,7 @@ what sampling, verification and ``logprobs`` use, so draft and target rows see t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -70,14 +70,17 @@ def row_group(
     )
 
 
-def row_groups(s: ScheduledRequest, vocab_size: int) -> list[RowGroup]:
+def row_groups(s: ScheduledRequest, vocab_size: int, bitmask: torch.Tensor | None = None) -> list[RowGroup]:
     """The verification rows of a request: one group for a chain; for a tree, one row per node, each
     with its own path as the draft prefix (penalties see the path, not the other branches) and, under a
-    grammar, masked by the grammar state after that path (:func:`specdec.structured.tree_bitmask`)."""
+    grammar, masked by the grammar state after that path (:func:`specdec.structured.tree_bitmask`).
+    ``bitmask``: the rows' masks when already computed (:mod:`specdec.engine.grammar_masks`)."""
     req, tree = s.request, s.draft_tree
     if tree is None:
-        return [row_group(req, s.draft_token_ids, 1 + len(s.draft_token_ids), vocab_size)]
-    masks = None if req.grammar is None else tree_bitmask(req.grammar, tree, vocab_size)
+        return [row_group(req, s.draft_token_ids, 1 + len(s.draft_token_ids), vocab_size, bitmask)]
+    masks = bitmask
+    if masks is None and req.grammar is not None:
+        masks = tree_bitmask(req.grammar, tree, vocab_size)
     paths: list[list[int]] = [[]] + [tree.path_tokens(i) for i in range(tree.num_nodes)]
     return [
         row_group(req, path, 1, vocab_size, None if masks is None else masks[r : r + 1])
@@ -105,9 +108,12 @@ def process_rows(
     logits: torch.Tensor,
     vocab_size: int,
     fail: Callable[[ScheduledRequest, str, bool], None],
+    bitmasks: Mapping[str, torch.Tensor] | None = None,
 ) -> ProcessedRows:
     """Process the sampling requests' logits rows (:func:`sampling.processors.process_logits`) and end,
-    through ``fail``, the requests whose rows cannot be sampled from.
+    through ``fail``, the requests whose rows cannot be sampled from. ``bitmasks``: per request id, its
+    rows' grammar masks computed beside the forward (:mod:`specdec.engine.grammar_masks`); the others'
+    are computed here.
 
     One max-reduction over the processed rows finds rows that are not finite: NaN anywhere (NaN
     propagates through ``amax``), +inf, or every token at -inf (nothing left to sample). Requests whose
@@ -119,7 +125,8 @@ def process_rows(
     rows = logits_rows(scheduled)
 
     def process(batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[bool]]:
-        groups = [g for s in batch for g in row_groups(s, vocab_size)]
+        masks = bitmasks or {}
+        groups = [g for s in batch for g in row_groups(s, vocab_size, masks.get(s.request.request_id))]
         meta = build_sampling_metadata(groups, logits.shape[-1], logits.device)
         x = logits
         if len(batch) != len(everyone):
