@@ -66,6 +66,7 @@ class BenchGrammarConfig(HarnessConfig):
     max_tokens: of the batched generation.
     speed_prompts: schemas of the batch-1 speed figures.
     speed_max_tokens: new tokens per batch-1 request at most.
+    mask_prefetch: compute the masks beside the forward (false: inline after it, for comparison).
     """
 
     per_subset: int | None = 5
@@ -77,6 +78,7 @@ class BenchGrammarConfig(HarnessConfig):
     generate_schemas: int | None = 32
     modes: list[str] = field(default_factory=lambda: ["plain", "ngram"])
     figure: str | None = None
+    mask_prefetch: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -312,7 +314,7 @@ def spread(items: list[Any], n: int | None) -> list[Any]:
 
 
 def generate_all(
-    llm: Any, backend: Any, compiled_docs: list, max_tokens: int, modes: list[str]
+    llm: Any, backend: Any, compiled_docs: list, max_tokens: int, modes: list[str], mask_prefetch: bool = True
 ) -> dict[str, Any]:
     """Greedy generation for every schema of ``compiled_docs``, per mode of ``modes``
     (:data:`GENERATION_MODES`). ``tokens_per_forward`` is generated tokens per target forward over all
@@ -328,6 +330,8 @@ def generate_all(
         spec = GENERATION_MODES[label]
         runner = llm if spec is None else LLM("smollm2-135m-instruct", speculative_config=spec)
         runner.engine.grammar_backend = backend
+        if not mask_prefetch:
+            runner.engine.mask_prefetch = None
         timer = MaskTimer()
         prefetch = runner.engine.mask_prefetch
         waits_before = len(prefetch.wait_s) if prefetch is not None else 0
@@ -447,7 +451,9 @@ def run(cfg: BenchGrammarConfig) -> dict[str, Any]:
         if cfg.generate:
             chosen = spread(result["compiled"], cfg.generate_schemas)
             report["num_generation_schemas"] = len(chosen)
-            entry["generation"] = generate_all(llm, backend, chosen, cfg.max_tokens, cfg.modes)
+            entry["generation"] = generate_all(
+                llm, backend, chosen, cfg.max_tokens, cfg.modes, cfg.mask_prefetch
+            )
         report["backends"][name] = entry
         if first is None:
             first = (backend, result["compiled"])
