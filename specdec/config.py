@@ -190,7 +190,9 @@ class SpeculativeConfig:
     "quantized_self" (the target's own weights quantized, see ``quantization``: a draft model that needs
     no second checkpoint), "medusa" (Medusa-1 heads, Cai et al. 2024), "eagle" (an EAGLE head, Li et al.
     2024), "grammar" (the tokens a request's grammar forces, no model: jump-forward decoding verified as
-    drafts).
+    drafts), "suffix" (suffix decoding, Oliaro et al. 2024: suffix tries over the request's text and,
+    opt-in, earlier requests'), "hybrid" (per request and step, the member drafter with the best running
+    acceptance).
 
     Attributes:
         method: a registered drafter's name (:func:`specdec.drafters.drafter_names`).
@@ -223,6 +225,18 @@ class SpeculativeConfig:
         grammar_forced_drafts: constrained requests' chains are cut at the first token their grammar
             forbids and extended by the tokens it forces (up to k): see
             :mod:`specdec.drafters.grammar_forced`. Exact; it only adds drafts.
+        suffix_max_match: "suffix" / "hybrid": longest suffix of the context matched (tokens, 1..64).
+        suffix_min_token_prob: "suffix" / "hybrid": continuations whose path probability (frequency
+            along the suffix trie) is below this are not drafted (0..1).
+        suffix_spec_factor: "suffix" / "hybrid": a match of p tokens allows ``ceil(factor × p)`` drafts
+            (SuffixDecoding's adaptive budget), capped by k and ``max_tree_nodes``.
+        suffix_cache_max_nodes: "suffix" / "hybrid": node budget of the global suffix trie over earlier
+            requests (least recently used requests evicted; ~100-150 bytes a node).
+        suffix_share_across_requests: "suffix" / "hybrid": draft from earlier requests' prompts and
+            outputs. Off by default: outputs stay exact either way, but a request's speed could reveal
+            what another request wrote (see :mod:`specdec.drafters.suffix`).
+        hybrid_members: "hybrid": the drafters it chooses among per request and step (None:
+            ``["suffix", "ngram"]``); see :mod:`specdec.drafters.hybrid`.
 
     Raises:
         ConfigError (a ValueError): unknown method (the message names the registered ones), k outside
@@ -245,6 +259,12 @@ class SpeculativeConfig:
     policy: str = "static"
     policy_kwargs: dict | None = None
     grammar_forced_drafts: bool = False
+    suffix_max_match: int = 16
+    suffix_min_token_prob: float = 0.1
+    suffix_spec_factor: float = 1.0
+    suffix_cache_max_nodes: int = 1 << 20
+    suffix_share_across_requests: bool = False
+    hybrid_members: list[str] | None = None
 
     def __post_init__(self) -> None:
         from specdec.drafters.registry import drafter_names, get_drafter
