@@ -76,6 +76,8 @@ def _generate(args: argparse.Namespace) -> int:
             spec["policy"] = args.spec_policy
         if args.grammar_forced_drafts:
             spec["grammar_forced_drafts"] = True
+        if args.suffix_share_across_requests:
+            spec["suffix_share_across_requests"] = True
     if args.grammar_forced_drafts and args.drafter is None:
         raise SystemExit(
             "--grammar-forced-drafts extends a drafter's chains: give --drafter too "
@@ -211,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         default=None,
         choices=["static", "dynamic"],
-        help="token tree (medusa, eagle) (default: chain)",
+        help="token tree (medusa: static; eagle, suffix, hybrid: dynamic) (default: chain)",
     )
     g.add_argument(
         "--draft-quantization",
@@ -231,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--grammar-forced-drafts",
         action="store_true",
         help="append the tokens a constrained request's grammar forces to the drafter's chains",
+    )
+    g.add_argument(
+        "--suffix-share-across-requests",
+        action="store_true",
+        help="suffix, hybrid: draft from earlier requests' prompts and outputs too (off by default: a "
+        "request's speed could reveal what another request wrote)",
     )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)
