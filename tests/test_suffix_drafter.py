@@ -189,3 +189,25 @@ def test_suffix_fields_belong_to_suffix_and_hybrid_and_trees_are_dynamic():
         with pytest.raises(ConfigError, match=message):
             SpeculativeConfig("hybrid", hybrid_members=bad)
     assert SpeculativeConfig("suffix", tree="dynamic").num_draft_slots == 16
+
+
+def test_hydra_and_cli_take_suffix_and_hybrid():
+    from hydra import compose, initialize_config_module
+
+    from experiments.config import register_configs, to_experiment_config
+    from specdec.cli import build_parser
+
+    register_configs()
+    with initialize_config_module("experiments.conf", version_base=None):
+        suffix = to_experiment_config(
+            compose("config", overrides=["drafter=suffix", "drafter.share_across_requests=true"])
+        )
+        hybrid = to_experiment_config(compose("config", overrides=["drafter=hybrid", "drafter.tree=dynamic"]))
+    spec = suffix.drafter.speculative_config()
+    assert spec["method"] == "suffix" and spec["suffix_share_across_requests"] is True
+    assert SpeculativeConfig(**spec).suffix_max_match == 16
+    spec = hybrid.drafter.speculative_config()
+    assert spec["hybrid_members"] == ["suffix", "ngram"] and spec["tree"] == "dynamic"
+    SpeculativeConfig(**spec)
+    args = build_parser().parse_args(["generate", "--drafter", "suffix", "--suffix-share-across-requests"])
+    assert args.drafter == "suffix" and args.suffix_share_across_requests

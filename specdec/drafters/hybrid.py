@@ -74,7 +74,8 @@ class MemberStats:
     Attributes:
         num_chosen: steps its proposal was submitted.
         num_draft_tokens: drafted tokens submitted (a tree's depth).
-        num_accepted_tokens: its accepted drafts (scored after the step; equal to the verifier's count).
+        num_accepted_tokens: its accepted drafts: the verifier's count, except in a request's last step,
+            where the tokens the request kept are counted (a stop rule may cut an accepted run).
         hindsight_accepted: tokens its proposal would have had accepted, summed over every step that any
             member drafted (its τ had it drafted alone: ``1 + hindsight_accepted / oracle steps``).
     """
@@ -90,6 +91,7 @@ class _Step:
     position: int  # request length when drafted
     proposals: list[DraftProposal]
     chosen: int  # member index, -1: none
+    counted: bool = False  # the chosen member's accepted drafts were counted (on_verified)
 
 
 @dataclass
@@ -174,17 +176,14 @@ class HybridDrafter(DrafterBase):
             return
         state.pending = None
         committed = request.token_ids[step.position :]
-        per_request = getattr(request, "drafter_metrics", None) or {}
         for i, proposal in enumerate(step.proposals):
             if not proposal.token_ids:
                 continue
             got = accepted_length(proposal, committed)
             old = state.scores[i]
             state.scores[i] = got if old is None else DECAY * old + (1 - DECAY) * got
-            if i == step.chosen:
-                for stats in (self.stats[self.names[i]], per_request.get(self.names[i])):
-                    if stats is not None:
-                        stats.num_accepted_tokens += min(got, max(len(committed) - 1, 0))
+            if i == step.chosen and not step.counted:  # the request's last step: no on_verified
+                self._count_accepted(request, i, min(got, len(committed)))
 
     def choose(self, state: _HybridState, proposals: list[DraftProposal]) -> int:
         """The member to submit: the best running score among non-empty proposals (unscored members
@@ -224,7 +223,18 @@ class HybridDrafter(DrafterBase):
             out.append(proposals[chosen])
         return out
 
+    def _count_accepted(self, request: Request, member: int, n: int) -> None:
+        name = self.names[member]
+        for stats in (self.stats[name], (request.drafter_metrics or {}).get(name)):
+            if stats is not None:
+                stats.num_accepted_tokens += n
+
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        state = self.states.get(request.request_id)
+        step = None if state is None else state.pending
+        if step is not None and step.chosen >= 0 and not step.counted and num_drafts:
+            step.counted = True
+            self._count_accepted(request, step.chosen, num_accepted)
         for m in self.members:  # members are model-free: nothing of theirs depends on who drafted
             m.on_verified(request, 0, 0)
 

@@ -14,6 +14,10 @@ of highest expected accepted length. The speculation budget of a match of ``p`` 
 step's depth (``max_drafts``) and a tree's slots (``max_tree_nodes``); continuations of path probability
 below ``suffix_min_token_prob`` are not drafted.
 
+Memory: a trie holds up to ``suffix_max_match + k`` nodes per token of text that never repeats (about
+100-150 bytes each in CPython), so a 32k-token request can take tens of MB while it runs; lower
+``suffix_max_match`` for very long contexts.
+
 Drafts are deterministic (``draft_probs`` None): the rejection sampler verifies chains and the tree
 verifier verifies trees exactly, so the output distribution is the target's whatever was drafted.
 
@@ -29,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specdec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.suffix_tree import Draft, SuffixCache, SuffixNode, SuffixTrie, draft_from
@@ -109,8 +113,8 @@ class SuffixDrafter(DrafterBase):
         self.max_match = config.suffix_max_match
         self.min_prob = float(config.suffix_min_token_prob)
         self.spec_factor = float(config.suffix_spec_factor)
-        # Deep enough to draft MAX_SPECULATIVE_TOKENS below the longest match.
-        self.depth = self.max_match + MAX_SPECULATIVE_TOKENS
+        # Deep enough to draft k tokens below the longest match.
+        self.depth = self.max_match + config.num_speculative_tokens
         self.cache = (
             SuffixCache(self.depth, config.suffix_cache_max_nodes)
             if config.suffix_share_across_requests
@@ -128,8 +132,8 @@ class SuffixDrafter(DrafterBase):
         """Index the committed tokens not indexed yet: ``O(depth)`` per token."""
         state = self.states.get(request)
         tokens = request.token_ids
-        for t in tokens[state.num_indexed :]:
-            state.active = state.trie.extend(state.active, t)
+        for i in range(state.num_indexed, len(tokens)):
+            state.active = state.trie.extend(state.active, tokens[i], i)
         state.num_indexed = len(tokens)
         return state
 

@@ -33,7 +33,9 @@ class SuffixNode:
     Attributes:
         children: next token -> child (None while a leaf, to save memory).
         count: occurrences of the node's string in the indexed sequences (truncated at the trie's depth).
-        seq: id of the latest sequence indexed through this node (the global cache's LRU touch; -1: none).
+        seq: the latest sequence indexed through this node (the global cache: its id, for the LRU touch;
+            a request's own trie: the position where the latest occurrence ends); larger is more recent,
+            which breaks ties between equally frequent continuations.
     """
 
     __slots__ = ("children", "count", "seq")
@@ -164,7 +166,8 @@ def draft_from(
     A child's probability is its count over the summed counts of its siblings (the empirical
     continuation distribution); a node's path probability is the product along its path. A chain follows
     the most frequent child; a tree keeps the ``budget`` nodes of highest path probability (best-first,
-    so every kept node's parent is kept), as EAGLE-2 reranks its dynamic tree. Nodes whose path
+    so every kept node's parent is kept), as EAGLE-2 reranks its dynamic tree; ties go to the most
+    recent continuation (``SuffixNode.seq``). Nodes whose path
     probability falls below ``min_prob`` are not drafted.
 
     Args:
@@ -180,8 +183,8 @@ def draft_from(
     score = 0.0
     limit = budget if tree else min(max_depth, budget)
     order = itertools.count()
-    # (-path probability, tiebreak, token, parent node index, depth, node)
-    heap: list[tuple[float, int, int, int, int, SuffixNode]] = []
+    # (-path probability, -recency, tiebreak, token, parent node index, depth, node)
+    heap: list[tuple[float, int, int, int, int, int, SuffixNode]] = []
 
     def push(below: SuffixNode, prob: float, parent: int, depth: int) -> None:
         children = below.children
@@ -190,17 +193,17 @@ def draft_from(
         total = sum(c.count for c in children.values())
         if tree:
             candidates = children.items()
-        else:  # the most frequent child (ties: the smaller token)
-            candidates = [max(children.items(), key=lambda item: (item[1].count, -item[0]))]
+        else:  # the most frequent child (ties: the most recent)
+            candidates = [max(children.items(), key=lambda item: (item[1].count, item[1].seq))]
         for token, child in candidates:
             p = prob * child.count / total
             if p >= min_prob and p > 0:
-                heapq.heappush(heap, (-p, next(order), token, parent, depth, child))
+                heapq.heappush(heap, (-p, -child.seq, next(order), token, parent, depth, child))
 
     if limit > 0:
         push(node, 1.0, -1, 1)
     while heap and len(tokens) < limit:
-        neg, _, token, parent, depth, child = heapq.heappop(heap)
+        neg, _, _, token, parent, depth, child = heapq.heappop(heap)
         tokens.append(token)
         if parents is not None:
             parents.append(parent)
