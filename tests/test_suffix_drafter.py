@@ -100,7 +100,7 @@ def test_drafting_from_the_cache_touches_the_source():
     _finish(d, second)
     assert list(d.cache.entries) == [0, 1]
     q = _request([1, 7, 8], "c")
-    assert d.draft(q, 3, 0).token_ids == [9, 10, 11]
+    assert d.draft(q, 3, 0).token_ids == [9, 10]  # a 2-token match: budget 2
     assert list(d.cache.entries) == [1, 0]  # "a" drafted: now the most recently used
     assert d.num_global_drafts == 1
 
@@ -123,11 +123,11 @@ def test_spec_factor_and_tree_budget():
     req = _request([1, 2, 3, 4, 5, 6, 1, 2])
     assert _drafter(suffix_spec_factor=0.5).draft(req, 4, 0).token_ids == [3]
     assert _drafter(suffix_spec_factor=4.0).draft(req, 4, 0).token_ids == [3, 4, 5, 6]
-    t = _drafter(tree="dynamic", max_tree_nodes=3, suffix_spec_factor=8.0)
-    tree_req = _request([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2])
-    draft = t.draft(tree_req, 4, 3)
-    assert draft.parents is not None and len(draft.token_ids) == 3
-    assert draft.token_ids[:2] == [3, 4] and draft.parents[:2] == [-1, -1]  # both continuations of 1 2
+    t = _drafter(tree="dynamic", max_tree_nodes=4, suffix_spec_factor=8.0)
+    tree_req = _request([8, 1, 2, 3, 8, 1, 2, 4, 8, 1, 2])  # 8 1 2 was followed by 3, then by 4
+    draft = t.draft(tree_req, 2, 4)  # depth 2, 4 nodes; every path has probability 1/2
+    assert draft.match_length == 3 and draft.score == pytest.approx(2.0)
+    assert draft.token_ids == [4, 8, 3, 8] and draft.parents == [-1, 0, -1, 2]  # the more recent first
 
 
 def test_requests_do_not_draft_from_each_other_unless_enabled():
@@ -139,7 +139,7 @@ def test_requests_do_not_draft_from_each_other_unless_enabled():
         b = _request([3, 11, 12, 13], "b")
         got = d.draft(b, 4, 0)
         if share:
-            assert got.token_ids == [14, 15, 16, 17] and d.cache.num_tokens == 7
+            assert got.token_ids == [14, 15, 16] and d.cache.num_tokens == 7  # a 3-token match
         else:
             assert got is None and d.cache is None
 

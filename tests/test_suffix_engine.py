@@ -96,7 +96,10 @@ def test_greedy_output_equals_plain_decoding(setup, method, tree, share, policy)
 
 def test_hybrid_metrics_say_which_member_drafted(setup):
     llm = LLM(
-        setup["target"], skip_tokenizer_init=True, block_size=4, speculative_config=_spec("hybrid", 0, 0)
+        setup["target"],
+        skip_tokenizer_init=True,
+        block_size=4,
+        speculative_config=_spec("hybrid", False, False),
     )
     out = llm.generate(
         {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
