@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sampling.params import SamplingParams
 from sampling.token_tree import TokenTree
 from specdec.config import SpeculativeConfig
-from specdec.drafters.base import DrafterContext
+from specdec.drafters.base import DrafterContext, DraftProposal
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.drafters.suffix_tree import SuffixCache, SuffixTrie, draft_from
 from specdec.errors import ConfigError
@@ -117,6 +117,18 @@ def test_drafts_from_the_request_itself_incrementally():
     assert state.num_indexed == 10
     assert state.trie.num_nodes - nodes <= 2 * d.depth  # O(depth) new nodes per token, no rebuild
     assert d.draft(req, 0, 0) is None
+
+
+def test_prompt_chunks_are_indexed_as_they_are_computed():
+    from specdec.drafters.base import DraftInput
+
+    d = _drafter()
+    req = _request(list(range(50)) * 2)
+    assert d.propose([DraftInput(req, 40, 0, 0)]) == [DraftProposal([])]  # first chunk: no drafts
+    assert d.states.peek(req).num_indexed == 40
+    req.num_computed_tokens = 40
+    (proposal,) = d.propose([DraftInput(req, 60, 4, 0)])  # last chunk: indexes the rest, drafts
+    assert d.states.peek(req).num_indexed == 100 and proposal.token_ids == [0, 1, 2, 3]
 
 
 def test_spec_factor_and_tree_budget():

@@ -3,7 +3,8 @@ Applications"): drafts from suffix tries over the request's own text and, when e
 requests' prompts and outputs.
 
 Each request keeps a :class:`~specdec.drafters.suffix_tree.SuffixTrie` of its prompt and committed
-output, extended by ``O(depth)`` work per committed token (never rebuilt). A step matches each suffix of
+output, extended by ``O(depth)`` work per committed token (never rebuilt; a long prompt is indexed chunk
+by chunk, as its prefill chunks are computed). A step matches each suffix of
 the context (1 .. ``suffix_max_match`` tokens) in that trie and, with ``suffix_share_across_requests``,
 in the global :class:`~specdec.drafters.suffix_tree.SuffixCache` (finished requests' prompts and
 outputs, at most ``suffix_cache_max_nodes`` nodes, least recently used evicted). Below each match it
@@ -128,13 +129,15 @@ class SuffixDrafter(DrafterBase):
         trie = SuffixTrie(self.depth)
         return _RequestTrie(trie, trie.start())
 
-    def _catch_up(self, request: Request) -> _RequestTrie:
-        """Index the committed tokens not indexed yet: ``O(depth)`` per token."""
+    def _catch_up(self, request: Request, upto: int | None = None) -> _RequestTrie:
+        """Index the committed tokens not indexed yet (up to position ``upto``): ``O(depth)`` per
+        token."""
         state = self.states.get(request)
         tokens = request.token_ids
-        for i in range(state.num_indexed, len(tokens)):
+        end = len(tokens) if upto is None else min(upto, len(tokens))
+        for i in range(state.num_indexed, end):
             state.active = state.trie.extend(state.active, tokens[i], i)
-        state.num_indexed = len(tokens)
+        state.num_indexed = max(state.num_indexed, end)
         return state
 
     def budget(self, match_length: int, cap: int) -> int:
@@ -177,6 +180,8 @@ class SuffixDrafter(DrafterBase):
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
         out = []
         for x in batch:
+            if x.max_drafts <= 0:  # a prompt chunk (or no drafts this step): index what it computes
+                self._catch_up(x.request, x.request.num_computed_tokens + x.num_new_tokens)
             d = self.draft(x.request, x.max_drafts, x.max_tree_nodes)
             out.append(DraftProposal([]) if d is None else DraftProposal(d.token_ids, parents=d.parents))
         return out
