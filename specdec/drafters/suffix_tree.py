@@ -167,8 +167,8 @@ def draft_from(
     continuation distribution); a node's path probability is the product along its path. A chain follows
     the most frequent child; a tree keeps the ``budget`` nodes of highest path probability (best-first,
     so every kept node's parent is kept), as EAGLE-2 reranks its dynamic tree; ties go to the most
-    recent continuation (``SuffixNode.seq``). Nodes whose path
-    probability falls below ``min_prob`` are not drafted.
+    recent continuation (``SuffixNode.seq``). Nodes whose path probability falls below ``min_prob`` are
+    not drafted.
 
     Args:
         node: the matched node; its subtree holds the continuations.
