@@ -1,7 +1,7 @@
 """Typed experiment configuration: the schemas behind ``experiments/conf/``.
 
 Config groups mirror the code: ``model/`` (:class:`ModelConfig`), ``drafter/`` (none, ngram,
-draft_model, quantized_self, medusa, eagle, and ``registered`` for any drafter registered with
+suffix, hybrid, draft_model, quantized_self, medusa, eagle, and ``registered`` for any drafter registered with
 ``specdec.drafters.register_drafter``: ``specdec.LLM``'s ``speculative_config``), ``sampling/``
 (:class:`SamplingConfig`) and ``grammar/`` (none, json_schema, regex, choice: fields of
 ``sampling.SamplingParams``), ``dataset/`` (builtin, jsonl, humaneval, synthetic), ``engine/`` (the
@@ -128,6 +128,73 @@ class NgramDrafterConfig(DrafterConfig):
             "num_speculative_tokens": self.num_speculative_tokens,
             "prompt_lookup_max": self.prompt_lookup_max,
             "prompt_lookup_min": self.prompt_lookup_min,
+        }
+
+
+@dataclass
+class SuffixDrafterConfig(DrafterConfig):
+    """Suffix decoding (Oliaro et al. 2024): frequency-ranked continuations from suffix tries over the
+    request's text and, with ``share_across_requests``, earlier requests' (:mod:`specdec.drafters.suffix`).
+
+    Attributes:
+        num_speculative_tokens: a chain's length, or a tree's greatest depth (K).
+        tree: None (a chain) or ``dynamic`` (a token tree of the most frequent continuations).
+        max_tree_nodes: most draft tokens in a tree.
+        max_match, min_token_prob, spec_factor, cache_max_nodes, share_across_requests: the
+            ``suffix_*`` fields of ``SpeculativeConfig``.
+    """
+
+    method: str = "suffix"
+    num_speculative_tokens: int = 4
+    tree: str | None = None
+    max_tree_nodes: int = 16
+    max_match: int = 16
+    min_token_prob: float = 0.1
+    spec_factor: float = 1.0
+    cache_max_nodes: int = 1 << 20
+    share_across_requests: bool = False
+
+    def _suffix_fields(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "suffix_max_match": self.max_match,
+            "suffix_min_token_prob": self.min_token_prob,
+            "suffix_spec_factor": self.spec_factor,
+            "suffix_cache_max_nodes": self.cache_max_nodes,
+            "suffix_share_across_requests": self.share_across_requests,
+        }
+        if self.tree is not None:
+            spec.update(tree=self.tree, max_tree_nodes=self.max_tree_nodes)
+        return spec
+
+    def _method_config(self) -> dict[str, Any] | None:
+        """``{"method": "suffix", ...}`` for ``specdec.LLM``."""
+        return {"method": "suffix", **self._suffix_fields()}
+
+
+@dataclass
+class HybridDrafterConfig(SuffixDrafterConfig):
+    """Per request and step, the member drafter with the best running acceptance
+    (:mod:`specdec.drafters.hybrid`); the suffix and n-gram fields configure those members.
+
+    Attributes:
+        members: the member drafters (model-free), e.g. ``[suffix, ngram]``.
+        prompt_lookup_max, prompt_lookup_min: the n-gram member's window.
+    """
+
+    method: str = "hybrid"
+    members: list[str] = field(default_factory=lambda: ["suffix", "ngram"])
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def _method_config(self) -> dict[str, Any] | None:
+        """``{"method": "hybrid", ...}`` for ``specdec.LLM``."""
+        return {
+            "method": "hybrid",
+            "hybrid_members": list(self.members),
+            "prompt_lookup_max": self.prompt_lookup_max,
+            "prompt_lookup_min": self.prompt_lookup_min,
+            **self._suffix_fields(),
         }
 
 
@@ -920,6 +987,8 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
     ("model", "model_schema"): ModelConfig,
     ("drafter", "none_schema"): NoDrafterConfig,
     ("drafter", "ngram_schema"): NgramDrafterConfig,
+    ("drafter", "suffix_schema"): SuffixDrafterConfig,
+    ("drafter", "hybrid_schema"): HybridDrafterConfig,
     ("drafter", "draft_model_schema"): DraftModelDrafterConfig,
     ("drafter", "medusa_schema"): MedusaDrafterConfig,
     ("drafter", "eagle_schema"): EagleDrafterConfig,

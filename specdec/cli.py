@@ -78,6 +78,8 @@ def _generate(args: argparse.Namespace) -> int:
             spec["grammar_forced_drafts"] = True
         if args.max_forced_drafts is not None:
             spec["max_forced_drafts"] = args.max_forced_drafts
+        if args.suffix_share_across_requests:
+            spec["suffix_share_across_requests"] = True
     if args.max_forced_drafts is not None and not args.grammar_forced_drafts:
         raise SystemExit("--max-forced-drafts needs --grammar-forced-drafts")
     if args.grammar_forced_drafts and args.drafter is None:
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         default=None,
         choices=["static", "dynamic"],
-        help="token tree (medusa, eagle) (default: chain)",
+        help="token tree (medusa: static; eagle, suffix, hybrid: dynamic) (default: chain)",
     )
     g.add_argument(
         "--draft-quantization",
@@ -242,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="with --grammar-forced-drafts: draft positions beyond k for them (default: k)",
+    )
+    g.add_argument(
+        "--suffix-share-across-requests",
+        action="store_true",
+        help="suffix, hybrid: draft from earlier requests' prompts and outputs too (off by default: a "
+        "request's speed could reveal what another request wrote)",
     )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)

@@ -190,7 +190,9 @@ class SpeculativeConfig:
     "quantized_self" (the target's own weights quantized, see ``quantization``: a draft model that needs
     no second checkpoint), "medusa" (Medusa-1 heads, Cai et al. 2024), "eagle" (an EAGLE head, Li et al.
     2024), "grammar" (the tokens a request's grammar forces, no model: jump-forward decoding verified as
-    drafts).
+    drafts), "suffix" (suffix decoding, Oliaro et al. 2024: suffix tries over the request's text and,
+    opt-in, earlier requests'), "hybrid" (per request and step, the member drafter with the best running
+    acceptance).
 
     Attributes:
         method: a registered drafter's name (:func:`specdec.drafters.drafter_names`).
@@ -221,8 +223,25 @@ class SpeculativeConfig:
         policy_kwargs: keyword arguments of the policy's constructor (``"static"``: ``depth``;
             ``"batch_size"``: ``schedule``; ``"goodput"`` / ``"ucb"``: see their classes).
         grammar_forced_drafts: constrained requests' chains are cut at the first token their grammar
-            forbids and extended by the tokens it forces (up to k): see
-            :mod:`specdec.drafters.grammar_forced`. Exact; it only adds drafts.
+            forbids and extended by the tokens it forces: see :mod:`specdec.drafters.grammar_forced`.
+            Exact; it only adds drafts.
+        max_forced_drafts: with ``grammar_forced_drafts``, draft positions a constrained request may use
+            beyond k for grammar-aware drafting (the forced tokens, and the lookups between them of a
+            drafter that can continue a draft): its chain may be ``k + max_forced_drafts`` long, and that
+            many more KV slots are reserved for it each step. Unconstrained requests and the speculation
+            policy's depth are unaffected (the policy decides the drafter's part, up to k). None: k.
+        suffix_max_match: "suffix" / "hybrid": longest suffix of the context matched (tokens, 1..64).
+        suffix_min_token_prob: "suffix" / "hybrid": continuations whose path probability (frequency
+            along the suffix trie) is below this are not drafted (0..1).
+        suffix_spec_factor: "suffix" / "hybrid": a match of p tokens allows ``ceil(factor × p)`` drafts
+            (SuffixDecoding's adaptive budget), capped by k and ``max_tree_nodes``.
+        suffix_cache_max_nodes: "suffix" / "hybrid": node budget of the global suffix trie over earlier
+            requests (least recently used requests evicted; ~100-150 bytes a node).
+        suffix_share_across_requests: "suffix" / "hybrid": draft from earlier requests' prompts and
+            outputs. Off by default: outputs stay exact either way, but a request's speed could reveal
+            what another request wrote (see :mod:`specdec.drafters.suffix`).
+        hybrid_members: "hybrid": the drafters it chooses among per request and step (None:
+            ``["suffix", "ngram"]``); see :mod:`specdec.drafters.hybrid`.
 
     Raises:
         ConfigError (a ValueError): unknown method (the message names the registered ones), k outside
@@ -246,6 +265,12 @@ class SpeculativeConfig:
     policy_kwargs: dict | None = None
     grammar_forced_drafts: bool = False
     max_forced_drafts: int | None = None
+    suffix_max_match: int = 16
+    suffix_min_token_prob: float = 0.1
+    suffix_spec_factor: float = 1.0
+    suffix_cache_max_nodes: int = 1 << 20
+    suffix_share_across_requests: bool = False
+    hybrid_members: list[str] | None = None
 
     def __post_init__(self) -> None:
         from specdec.drafters.registry import drafter_names, get_drafter

@@ -336,6 +336,10 @@ class LLM:
             metrics.update(req.spec_stats.as_dict())
             for key in ("draft_time_s", "verify_time_s"):  # measured per step, not per request
                 metrics.pop(key)
+        if req.drafter_metrics is not None:  # e.g. the hybrid drafter's counts per member
+            metrics["drafter"] = {
+                k: dict(vars(v)) if hasattr(v, "__dict__") else v for k, v in req.drafter_metrics.items()
+            }
         return RequestOutput(
             request_id=req.request_id.split("-")[0],
             prompt=prompt,

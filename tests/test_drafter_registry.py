@@ -193,7 +193,7 @@ def test_declared_trees_and_fields_are_accepted(registry):
 
 
 def test_undeclared_fields_and_models_are_config_errors(repeat_last):
-    with pytest.raises(ConfigError, match=r"prompt_lookup_max=2 applies to method 'ngram' only"):
+    with pytest.raises(ConfigError, match=r"prompt_lookup_max=2 applies to method 'ngram' or 'hybrid' only"):
         SpeculativeConfig(method="repeat_last", prompt_lookup_max=2)
     with pytest.raises(ConfigError, match=r"'repeat_last' takes no model"):
         SpeculativeConfig(method="repeat_last", model="some-draft")

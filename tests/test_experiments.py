@@ -23,6 +23,7 @@ from experiments.config import (
     EngineConfig,
     ExperimentConfig,
     HumanEvalDatasetConfig,
+    HybridDrafterConfig,
     JsonlDatasetConfig,
     JsonSchemaGrammarConfig,
     MedusaDrafterConfig,
@@ -35,6 +36,7 @@ from experiments.config import (
     RegexGrammarConfig,
     RegisteredDrafterConfig,
     SamplingConfig,
+    SuffixDrafterConfig,
     SyntheticDatasetConfig,
     WandbLoggerConfig,
     config_to_dict,
@@ -86,11 +88,13 @@ def test_every_group_has_its_options():
     assert OPTIONS["drafter"] == [
         "draft_model",
         "eagle",
+        "hybrid",
         "medusa",
         "ngram",
         "none",
         "quantized_self",
         "registered",
+        "suffix",
     ]
     assert OPTIONS["dataset"] == ["builtin", "humaneval", "jsonl", "synthetic"]
     assert OPTIONS["sampling"] == ["greedy", "random"]
@@ -130,6 +134,8 @@ EXPECTED_TYPES = {
     "drafter": {
         "none": NoDrafterConfig,
         "ngram": NgramDrafterConfig,
+        "suffix": SuffixDrafterConfig,
+        "hybrid": HybridDrafterConfig,
         "draft_model": DraftModelDrafterConfig,
         "medusa": MedusaDrafterConfig,
         "eagle": EagleDrafterConfig,

@@ -46,6 +46,8 @@ _BUILTIN_MODULES = (
     "specdec.drafters.medusa",
     "specdec.drafters.eagle",
     "specdec.drafters.grammar_forced",
+    "specdec.drafters.suffix",
+    "specdec.drafters.hybrid",
 )
 
 #: Methods of the Drafter Protocol a registered drafter must have (callable).

@@ -1,0 +1,286 @@
+"""A hybrid drafter: per request and per step, the member drafter whose drafts have been accepted most.
+
+The measured winner changes with the task (prompt lookup on code, learned drafters on chat; suffix
+decoding where text repeats across turns and requests), so ``method="hybrid"`` runs every member each
+step (model-free members cost microseconds) and submits one proposal per request: that of the member
+with the highest running score among those that proposed something. After the step, every member's
+proposal is scored in hindsight against the tokens the step committed: a chain scores its longest prefix
+equal to them, a tree its longest root path (an unchosen member is credited at most the tokens the step
+committed, one more than the chosen member's accepted drafts). A request's score per member is an
+exponential moving average of those scores (decay :data:`DECAY`); before any, members are tried in
+their configured order.
+
+Exactness: the member is chosen from committed tokens only, before the step's drafts are verified, and
+every member is deterministic, so whichever member drafts, the exact verifier keeps the target's
+distribution (as for the speculation policies, :mod:`specdec.policies.base`). The speculation policy
+still sets each request's depth (``max_drafts``) before the hybrid drafts.
+
+Metrics (:meth:`HybridDrafter.report`): per member, the steps it drafted for, its drafted and accepted
+tokens, and the tokens it would have had accepted had it drafted every step (in hindsight); and the
+oracle, the best member per step in hindsight (computed when each request finishes, from its whole
+output: exact for greedy requests). Each request's own counts are in ``request.drafter_metrics``
+(``RequestOutput.metrics["drafter"]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.config import SpeculativeConfig
+from specdec.drafters.base import Drafter, DrafterBase, DrafterContext, DraftInput, DraftProposal
+from specdec.drafters.registry import check_protocol, get_drafter, register_drafter
+from specdec.drafters.suffix import SUFFIX_FIELDS, check_suffix_config
+from specdec.errors import ConfigError
+from specdec.request import Request
+
+#: Members when ``hybrid_members`` is None.
+DEFAULT_MEMBERS = ("suffix", "ngram")
+#: Weight of the past in a member's running score (per step).
+DECAY = 0.7
+
+
+def check_hybrid_config(config: SpeculativeConfig) -> None:
+    """Validate ``hybrid_members`` and the members' own fields once, at config construction.
+
+    Raises:
+        ConfigError: ``hybrid_members`` not a non-empty list of distinct registered drafter names, a
+            member that needs a model or features (a learned drafter: not supported yet) or is "hybrid"
+            itself, a member that does not draft the configured ``tree``; the suffix fields' errors.
+    """
+    members = config.hybrid_members
+    if members is not None:
+        if isinstance(members, str) or not isinstance(members, (list, tuple)) or not members:
+            raise ConfigError(f"hybrid_members must be a non-empty list of drafter names, got {members!r}")
+        if len(set(members)) != len(members):
+            raise ConfigError(f"hybrid_members must be distinct, got {list(members)}")
+        for name in members:
+            if name == "hybrid":
+                raise ConfigError("hybrid_members cannot contain 'hybrid'")
+            entry = get_drafter(name)  # ConfigError naming the registered ones
+            if entry.model != "none":
+                raise ConfigError(
+                    f"hybrid_members: {name!r} needs a model; the hybrid takes model-free members only "
+                    f"(e.g. {list(DEFAULT_MEMBERS)})"
+                )
+            if config.tree is not None and config.tree not in entry.trees and None not in entry.trees:
+                raise ConfigError(f"hybrid_members: {name!r} drafts neither chains nor tree={config.tree!r}")
+    check_suffix_config(config)
+
+
+@dataclass
+class MemberStats:
+    """Counters of one member (engine-wide, or one request's).
+
+    Attributes:
+        num_chosen: steps its proposal was submitted.
+        num_draft_tokens: drafted tokens submitted (a tree's depth).
+        num_accepted_tokens: its accepted drafts: the verifier's count, except in a request's last step,
+            where the tokens the request kept are counted (a stop rule may cut an accepted run).
+        hindsight_accepted: tokens its proposal would have had accepted, summed over every step that any
+            member drafted (its τ had it drafted alone: ``1 + hindsight_accepted / oracle steps``).
+    """
+
+    num_chosen: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    hindsight_accepted: int = 0
+
+
+@dataclass
+class _Step:
+    position: int  # request length when drafted
+    proposals: list[DraftProposal]
+    chosen: int  # member index, -1: none
+    counted: bool = False  # the chosen member's accepted drafts were counted (on_verified)
+
+
+@dataclass
+class _HybridState:
+    scores: list[float | None]
+    pending: _Step | None = None  # scored at the next proposal (or when the request ends)
+    history: list[_Step] = field(default_factory=list)  # for the oracle, scored at the end
+
+
+def accepted_length(proposal: DraftProposal, committed: list[int]) -> int:
+    """Drafts of ``proposal`` (chain or tree) that ``committed`` (the tokens after its position) confirms:
+    a chain's longest equal prefix, a tree's longest root path."""
+    tokens = proposal.token_ids
+    if proposal.parents is None:
+        n = 0
+        while n < len(tokens) and n < len(committed) and int(tokens[n]) == committed[n]:
+            n += 1
+        return n
+    depth_of: dict[int, int] = {}
+    best = 0
+    for i, (t, p) in enumerate(zip(tokens, proposal.parents)):
+        d = 1 if p < 0 else depth_of.get(p, 0) + 1 if p in depth_of else 0
+        if d and d <= len(committed) and int(t) == committed[d - 1]:
+            depth_of[i] = d
+            best = max(best, d)
+    return best
+
+
+def _depth(proposal: DraftProposal) -> int:
+    if proposal.parents is None:
+        return len(proposal.token_ids)
+    depth: list[int] = []
+    for p in proposal.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
+
+
+@register_drafter(
+    "hybrid",
+    trees=(None, "dynamic"),
+    fields=("hybrid_members", "prompt_lookup_max", "prompt_lookup_min", "max_tree_nodes", *SUFFIX_FIELDS),
+    check_config=check_hybrid_config,
+)
+class HybridDrafter(DrafterBase):
+    """Per request and step, the proposal of the member with the best running acceptance.
+
+    Args:
+        ctx: built into every member (``config.hybrid_members``, default suffix and n-gram).
+        members: already built members (tests); None builds them from the registry.
+
+    Attributes:
+        names: the members' names, in order.
+        stats: engine-wide :class:`MemberStats` per member name.
+        oracle_steps, oracle_accepted: steps where any member drafted, and the tokens the best member of
+            each would have had accepted (in hindsight, over finished requests).
+    """
+
+    def __init__(self, ctx: DrafterContext, members: dict[str, Drafter] | None = None) -> None:
+        if members is None:
+            names = list(ctx.config.hybrid_members or DEFAULT_MEMBERS)
+            members = {n: get_drafter(n).factory(ctx) for n in names}
+        for name, m in members.items():
+            check_protocol(m, name)
+        self.names = list(members)
+        self.members = list(members.values())
+        self.uses_hidden_states = any(m.uses_hidden_states for m in self.members)
+        self.states: dict[str, _HybridState] = {}
+        self.stats = {n: MemberStats() for n in self.names}
+        self.oracle_steps = 0
+        self.oracle_accepted = 0
+
+    def _state(self, request: Request) -> _HybridState:
+        state = self.states.get(request.request_id)
+        if state is None:
+            state = self.states[request.request_id] = _HybridState([None] * len(self.members))
+            request.drafter_metrics = {n: MemberStats() for n in self.names}
+        return state
+
+    def _score_pending(self, request: Request, state: _HybridState) -> None:
+        step = state.pending
+        if step is None:
+            return
+        state.pending = None
+        committed = request.token_ids[step.position :]
+        for i, proposal in enumerate(step.proposals):
+            if not proposal.token_ids:
+                continue
+            got = accepted_length(proposal, committed)
+            old = state.scores[i]
+            state.scores[i] = got if old is None else DECAY * old + (1 - DECAY) * got
+            if i == step.chosen and not step.counted:  # the request's last step: no on_verified
+                self._count_accepted(request, i, min(got, len(committed)))
+
+    def choose(self, state: _HybridState, proposals: list[DraftProposal]) -> int:
+        """The member to submit: the best running score among non-empty proposals (unscored members
+        count as 0; ties go to the earlier member); -1 when none proposed anything."""
+        best, best_score = -1, -1.0
+        for i, p in enumerate(proposals):
+            if not p.token_ids:
+                continue
+            s = state.scores[i]
+            score = 0.0 if s is None else s
+            if score > best_score:
+                best, best_score = i, score
+        return best
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        per_member = [m.propose(batch) for m in self.members]
+        out = []
+        for j, x in enumerate(batch):
+            state = self._state(x.request)
+            self._score_pending(x.request, state)
+            proposals = [per_member[i][j] for i in range(len(self.members))]
+            if x.max_drafts <= 0:
+                out.append(DraftProposal([]))
+                continue
+            chosen = self.choose(state, proposals)
+            step = _Step(len(x.request.token_ids), proposals, chosen)
+            state.pending = step
+            if chosen < 0:
+                out.append(DraftProposal([]))
+                continue
+            state.history.append(step)
+            name = self.names[chosen]
+            for stats in (self.stats[name], x.request.drafter_metrics.get(name)):
+                if stats is not None:
+                    stats.num_chosen += 1
+                    stats.num_draft_tokens += min(_depth(proposals[chosen]), x.max_drafts)
+            out.append(proposals[chosen])
+        return out
+
+    def _count_accepted(self, request: Request, member: int, n: int) -> None:
+        name = self.names[member]
+        for stats in (self.stats[name], (request.drafter_metrics or {}).get(name)):
+            if stats is not None:
+                stats.num_accepted_tokens += n
+
+    def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        state = self.states.get(request.request_id)
+        step = None if state is None else state.pending
+        if step is not None and step.chosen >= 0 and not step.counted and num_drafts:
+            step.counted = True
+            self._count_accepted(request, step.chosen, num_accepted)
+        for m in self.members:  # members are model-free: nothing of theirs depends on who drafted
+            m.on_verified(request, 0, 0)
+
+    def observe(self, request, start_position, hidden_states) -> None:
+        for m in self.members:
+            if m.uses_hidden_states:
+                m.observe(request, start_position, hidden_states)
+
+    def reset(self, request: Request) -> None:
+        """Preempted: the members forget the request (the hybrid keeps its scores). Finished: the oracle
+        and hindsight counts are scored from the whole output, and the request is forgotten."""
+        for m in self.members:
+            m.reset(request)
+        if not request.status.finished:
+            return
+        state = self.states.pop(request.request_id, None)
+        if state is None:
+            return
+        self._score_pending(request, state)
+        tokens = request.token_ids
+        per_request = getattr(request, "drafter_metrics", None) or {}
+        for step in state.history:
+            committed = tokens[step.position :]
+            got = [accepted_length(p, committed) if p.token_ids else 0 for p in step.proposals]
+            self.oracle_steps += 1
+            self.oracle_accepted += max(got)
+            for name, g in zip(self.names, got):
+                for stats in (self.stats[name], per_request.get(name)):
+                    if stats is not None:
+                        stats.hindsight_accepted += g
+
+    def report(self) -> dict:
+        """Engine-wide: per member its :class:`MemberStats` as a dict, and the oracle's steps, accepted
+        tokens and τ (``1 + accepted / steps``; None before any finished request drafted)."""
+        return {
+            "members": {n: vars(s).copy() for n, s in self.stats.items()},
+            "oracle_steps": self.oracle_steps,
+            "oracle_accepted_tokens": self.oracle_accepted,
+            "oracle_mean_acceptance_length": (
+                1 + self.oracle_accepted / self.oracle_steps if self.oracle_steps else None
+            ),
+        }
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return sum(m.kv_bytes_per_block(block_size) for m in self.members)
+
+    def bind_kv(self, num_blocks: int, block_size: int) -> None:
+        for m in self.members:
+            m.bind_kv(num_blocks, block_size)

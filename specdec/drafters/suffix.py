@@ -1,0 +1,201 @@
+"""Suffix decoding (Oliaro et al. 2024, "SuffixDecoding: Extreme Speculative Decoding for Emerging AI
+Applications"): drafts from suffix tries over the request's own text and, when enabled, over earlier
+requests' prompts and outputs.
+
+Each request keeps a :class:`~specdec.drafters.suffix_tree.SuffixTrie` of its prompt and committed
+output, extended by ``O(depth)`` work per committed token (never rebuilt; a long prompt is indexed chunk
+by chunk, as its prefill chunks are computed). A step matches each suffix of
+the context (1 .. ``suffix_max_match`` tokens) in that trie and, with ``suffix_share_across_requests``,
+in the global :class:`~specdec.drafters.suffix_tree.SuffixCache` (finished requests' prompts and
+outputs, at most ``suffix_cache_max_nodes`` nodes, least recently used evicted). Below each match it
+drafts a chain (the most frequent continuation) or, with ``tree="dynamic"``, a token tree of the most
+frequent continuations (best-first by path probability, like EAGLE-2's reranking), and keeps the draft
+of highest expected accepted length. The speculation budget of a match of ``p`` tokens is
+``ceil(suffix_spec_factor × p)`` drafts (SuffixDecoding's adaptive ``MAX_SPEC = α p``), capped by the
+step's depth (``max_drafts``) and a tree's slots (``max_tree_nodes``); continuations of path probability
+below ``suffix_min_token_prob`` are not drafted.
+
+Memory: a trie holds up to ``suffix_max_match + k`` nodes per token of text that never repeats (about
+100-150 bytes each in CPython), so a 32k-token request can take tens of MB while it runs; lower
+``suffix_max_match`` for very long contexts.
+
+Drafts are deterministic (``draft_probs`` None): the rejection sampler verifies chains and the tree
+verifier verifies trees exactly, so the output distribution is the target's whatever was drafted.
+
+Sharing across requests is off by default. Outputs stay exact either way, but with a shared cache a
+request drafts from another request's text, and its speed (time per token) then reveals whether its
+output continues text another request wrote: a timing side channel between tenants. Enable it
+(``suffix_share_across_requests=True``) when the requests share a trust domain (one user's agent loop,
+an offline batch); it is where suffix decoding pays most (repeated tool output, earlier answers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specdec.config import SpeculativeConfig
+from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
+from specdec.drafters.registry import register_drafter
+from specdec.drafters.suffix_tree import Draft, SuffixCache, SuffixNode, SuffixTrie, draft_from
+from specdec.errors import ConfigError
+from specdec.request import Request, RequestStatus
+
+#: The ``SpeculativeConfig`` fields suffix decoding reads (the hybrid drafter reads them too).
+SUFFIX_FIELDS = (
+    "suffix_max_match",
+    "suffix_min_token_prob",
+    "suffix_spec_factor",
+    "suffix_cache_max_nodes",
+    "suffix_share_across_requests",
+)
+
+
+def check_suffix_config(config: SpeculativeConfig) -> None:
+    """Validate the suffix fields once, at config construction.
+
+    Raises:
+        ConfigError: naming the field: ``suffix_max_match`` not an integer in [1, 64],
+            ``suffix_min_token_prob`` not a number in [0, 1], ``suffix_spec_factor`` not a number > 0,
+            ``suffix_cache_max_nodes`` not an integer >= 0, ``suffix_share_across_requests`` not a bool.
+    """
+    m = config.suffix_max_match
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= 64:
+        raise ConfigError(f"suffix_max_match must be an integer in [1, 64], got {m!r}")
+    p = config.suffix_min_token_prob
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise ConfigError(f"suffix_min_token_prob must be a number in [0, 1], got {p!r}")
+    f = config.suffix_spec_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not (f > 0 and math.isfinite(f)):
+        raise ConfigError(f"suffix_spec_factor must be a finite number > 0, got {f!r}")
+    n = config.suffix_cache_max_nodes
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"suffix_cache_max_nodes must be an integer >= 0, got {n!r}")
+    if not isinstance(config.suffix_share_across_requests, bool):
+        raise ConfigError(
+            f"suffix_share_across_requests must be a bool, got {config.suffix_share_across_requests!r}"
+        )
+
+
+@dataclass
+class _RequestTrie:
+    """A request's own trie and the nodes of its context's suffixes (``active[i]``: length ``i``)."""
+
+    trie: SuffixTrie
+    active: list[SuffixNode] = field(default_factory=list)
+    num_indexed: int = 0
+
+
+@register_drafter(
+    "suffix",
+    trees=(None, "dynamic"),
+    fields=("max_tree_nodes", *SUFFIX_FIELDS),
+    check_config=check_suffix_config,
+)
+class SuffixDrafter(DrafterBase):
+    """Suffix decoding (Oliaro et al. 2024): frequency-ranked continuations of the context's longest
+    suffix matches, from the request's own text and (opt-in) earlier requests'.
+
+    Args:
+        ctx: its ``config`` gives ``tree`` (None: chains, "dynamic": token trees), ``max_tree_nodes``
+            (a tree's most nodes) and the ``suffix_*`` fields (see
+            :class:`~specdec.config.SpeculativeConfig`).
+
+    Attributes:
+        cache: the global :class:`~specdec.drafters.suffix_tree.SuffixCache`, or None when requests do
+            not share (``suffix_share_across_requests`` False, the default).
+        num_local_drafts, num_global_drafts: proposals taken from a request's own trie / the global one.
+    """
+
+    def __init__(self, ctx: DrafterContext) -> None:
+        config = ctx.config
+        self.tree = config.tree is not None
+        self.max_tree_nodes = config.max_tree_nodes
+        self.max_match = config.suffix_max_match
+        self.min_prob = float(config.suffix_min_token_prob)
+        self.spec_factor = float(config.suffix_spec_factor)
+        # Deep enough to draft k tokens below the longest match.
+        self.depth = self.max_match + config.num_speculative_tokens
+        self.cache = (
+            SuffixCache(self.depth, config.suffix_cache_max_nodes)
+            if config.suffix_share_across_requests
+            else None
+        )
+        self.states: RequestStates[_RequestTrie] = RequestStates(self._new_state)
+        self.num_local_drafts = 0
+        self.num_global_drafts = 0
+
+    def _new_state(self) -> _RequestTrie:
+        trie = SuffixTrie(self.depth)
+        return _RequestTrie(trie, trie.start())
+
+    def _catch_up(self, request: Request, upto: int | None = None) -> _RequestTrie:
+        """Index the committed tokens not indexed yet (up to position ``upto``): ``O(depth)`` per
+        token."""
+        state = self.states.get(request)
+        tokens = request.token_ids
+        end = len(tokens) if upto is None else min(upto, len(tokens))
+        for i in range(state.num_indexed, end):
+            state.active = state.trie.extend(state.active, tokens[i], i)
+        state.num_indexed = max(state.num_indexed, end)
+        return state
+
+    def budget(self, match_length: int, cap: int) -> int:
+        """Drafts allowed after a match of ``match_length`` tokens: ``ceil(spec_factor × length)``, at most
+        ``cap``."""
+        return min(cap, math.ceil(self.spec_factor * match_length))
+
+    def draft(self, request: Request, max_drafts: int, max_tree_nodes: int) -> Draft | None:
+        """The best draft for ``request`` (highest expected accepted length over every match length and
+        both tries; ties go to the longer match, then the request's own text), or None."""
+        if max_drafts <= 0:
+            return None
+        state = self._catch_up(request)
+        cap = max(1, min(self.max_tree_nodes, max_tree_nodes)) if self.tree else max_drafts
+        best: Draft | None = None
+
+        def consider(length: int, node: SuffixNode, source: int) -> None:
+            nonlocal best
+            d = draft_from(node, max_drafts, self.budget(length, cap), self.min_prob, self.tree, length)
+            d.source = source
+            if d.token_ids and (best is None or d.score >= best.score):
+                best = d
+
+        if self.cache is not None:
+            for length, node in self.cache.trie.matches(request.token_ids, self.max_match):
+                consider(length, node, node.seq)
+        for length in range(1, min(self.max_match, len(state.active) - 1) + 1):
+            node = state.active[length]
+            if node.children is None:  # no earlier occurrence continued; nor will a longer suffix
+                break
+            consider(length, node, -1)
+        if best is not None:
+            if best.source >= 0 and self.cache is not None:
+                self.cache.touch(best.source)
+                self.num_global_drafts += 1
+            else:
+                self.num_local_drafts += 1
+        return best
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        out = []
+        for x in batch:
+            if x.max_drafts <= 0:  # a prompt chunk (or no drafts this step): index what it computes
+                self._catch_up(x.request, x.request.num_computed_tokens + x.num_new_tokens)
+            d = self.draft(x.request, x.max_drafts, x.max_tree_nodes)
+            out.append(DraftProposal([]) if d is None else DraftProposal(d.token_ids, parents=d.parents))
+        return out
+
+    def reset(self, request: Request) -> None:
+        """Forget the request's trie; a request that finished (not by a fault, not preempted) joins the
+        global cache when requests share."""
+        self.states.reset(request)
+        if (
+            self.cache is not None
+            and request.status.finished
+            and request.status is not RequestStatus.FINISHED_ERROR
+        ):
+            self.cache.add(request.token_ids)
+
+    def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Nothing to roll back: the tries only ever hold committed tokens."""

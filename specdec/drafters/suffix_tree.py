@@ -1,0 +1,268 @@
+"""Depth-limited suffix tries with occurrence counts: the data structures of suffix decoding.
+
+SuffixDecoding (Oliaro et al. 2024, "SuffixDecoding: Extreme Speculative Decoding for Emerging AI
+Applications") drafts from suffix trees over earlier text: the longest suffix of the current context
+found in the tree is followed downward, children ranked by how often they occurred. Here the tree is a
+trie of every substring of at most ``max_depth`` tokens (each node one token, each node's ``count`` the
+number of occurrences of the string from the root to it), which keeps the two operations the drafter
+needs simple and incremental:
+
+- appending one token to a sequence already in the trie costs ``O(max_depth)`` (one step down from each
+  of the ``max_depth`` "active" suffix nodes, :meth:`SuffixTrie.extend`): a request's trie grows with its
+  committed tokens, never rebuilt;
+- a sequence is removed by the same walk, decrementing counts and dropping nodes that reach 0
+  (:meth:`SuffixTrie.remove`), so the global cache (:class:`SuffixCache`) evicts its least recently used
+  sequences to stay within a node budget.
+
+Memory is ``O(tokens × max_depth)`` nodes in the worst case (text that never repeats), about 100-150
+bytes each in CPython; repeated text shares nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class SuffixNode:
+    """One trie node: the token path from the root to it occurred ``count`` times.
+
+    Attributes:
+        children: next token -> child (None while a leaf, to save memory).
+        count: occurrences of the node's string in the indexed sequences (truncated at the trie's depth).
+        seq: the latest sequence indexed through this node (the global cache: its id, for the LRU touch;
+            a request's own trie: the position where the latest occurrence ends); larger is more recent,
+            which breaks ties between equally frequent continuations.
+    """
+
+    __slots__ = ("children", "count", "seq")
+
+    def __init__(self) -> None:
+        self.children: dict[int, SuffixNode] | None = None
+        self.count = 0
+        self.seq = -1
+
+
+@dataclass
+class Draft:
+    """What a trie proposes from one matched node.
+
+    Attributes:
+        token_ids: draft tokens, a chain (``parents`` None) or a token tree's nodes in topological order.
+        parents: per node its parent node (-1: the last committed token), or None for a chain.
+        score: the expected number of accepted tokens under the trie's frequencies (the sum of every
+            node's path probability), which ranks drafts from different match lengths and tries.
+        match_length: tokens of the context matched.
+        source: id of the sequence the match came from (global cache), or -1.
+    """
+
+    token_ids: list[int]
+    parents: list[int] | None
+    score: float
+    match_length: int
+    source: int = -1
+
+
+class SuffixTrie:
+    """A trie of every substring of at most ``max_depth`` tokens of its sequences, with counts.
+
+    Args:
+        max_depth: the deepest node (longest indexed substring), >= 1.
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = SuffixNode()
+        #: Nodes below the root (the memory bound of :class:`SuffixCache`).
+        self.num_nodes = 0
+
+    def start(self) -> list[SuffixNode]:
+        """The active nodes of an empty sequence (for :meth:`extend`)."""
+        return [self.root]
+
+    def extend(self, active: list[SuffixNode], token: int, seq: int = -1) -> list[SuffixNode]:
+        """Index one more token of a sequence: ``active[i]`` is the node of the sequence's suffix of
+        length ``i`` (``active[0]`` the root); returns the new active list. ``O(max_depth)``."""
+        new = [self.root]
+        for node in active:
+            children = node.children
+            if children is None:
+                children = node.children = {}
+            child = children.get(token)
+            if child is None:
+                child = children[token] = SuffixNode()
+                self.num_nodes += 1
+            child.count += 1
+            child.seq = seq
+            if len(new) < self.max_depth:
+                new.append(child)
+        return new
+
+    def insert(self, tokens: Sequence[int], seq: int = -1) -> None:
+        """Index every substring (of at most ``max_depth`` tokens) of ``tokens``."""
+        active = self.start()
+        for t in tokens:
+            active = self.extend(active, int(t), seq)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Undo :meth:`insert` of ``tokens`` (which must have been inserted): counts drop, nodes reaching
+        0 are deleted."""
+        active: list[SuffixNode] = [self.root]
+        for t in tokens:
+            new = [self.root]
+            for node in active:
+                children = node.children
+                assert children is not None, "removing a sequence that was not inserted"
+                child = children[int(t)]
+                child.count -= 1
+                if child.count == 0:
+                    del children[int(t)]
+                    if not children:
+                        node.children = None
+                    self.num_nodes -= 1
+                if len(new) < self.max_depth:
+                    new.append(child)
+            active = new
+
+    def find(self, pattern: Sequence[int]) -> SuffixNode | None:
+        """The node of ``pattern`` (None if it never occurred, or is longer than ``max_depth``)."""
+        node: SuffixNode | None = self.root
+        for t in pattern:
+            if node is None or node.children is None:
+                return None
+            node = node.children.get(int(t))
+        return node
+
+    def matches(self, context: Sequence[int], max_match: int) -> list[tuple[int, SuffixNode]]:
+        """``(length, node)`` of each suffix of ``context`` (1 .. ``max_match`` tokens) found in the trie,
+        shortest first (every substring of an indexed sequence is indexed, so they are consecutive)."""
+        out = []
+        for length in range(1, min(max_match, len(context), self.max_depth) + 1):
+            node = self.find(context[len(context) - length :])
+            if node is None or node.children is None:
+                break
+            out.append((length, node))
+        return out
+
+    def to_dict(self) -> dict:
+        """The trie as nested ``{token: (count, children)}`` (tests compare tries built differently)."""
+
+        def walk(node: SuffixNode) -> dict:
+            return {t: (c.count, walk(c)) for t, c in sorted((node.children or {}).items())}
+
+        return walk(self.root)
+
+
+def draft_from(
+    node: SuffixNode, max_depth: int, budget: int, min_prob: float, tree: bool, match_length: int
+) -> Draft:
+    """The draft below ``node`` (the matched suffix), children ranked by frequency.
+
+    A child's probability is its count over the summed counts of its siblings (the empirical
+    continuation distribution); a node's path probability is the product along its path. A chain follows
+    the most frequent child; a tree keeps the ``budget`` nodes of highest path probability (best-first,
+    so every kept node's parent is kept), as EAGLE-2 reranks its dynamic tree; ties go to the most
+    recent continuation (``SuffixNode.seq``). Nodes whose path probability falls below ``min_prob`` are
+    not drafted.
+
+    Args:
+        node: the matched node; its subtree holds the continuations.
+        max_depth: deepest draft (a chain's length).
+        budget: most draft tokens (a tree's nodes).
+        min_prob: smallest path probability drafted, in [0, 1].
+        tree: a token tree (else a chain).
+        match_length: recorded in the result.
+    """
+    tokens: list[int] = []
+    parents: list[int] | None = [] if tree else None
+    score = 0.0
+    limit = budget if tree else min(max_depth, budget)
+    order = itertools.count()
+    # (-path probability, -recency, tiebreak, token, parent node index, depth, node)
+    heap: list[tuple[float, int, int, int, int, int, SuffixNode]] = []
+
+    def push(below: SuffixNode, prob: float, parent: int, depth: int) -> None:
+        children = below.children
+        if not children or depth > max_depth:
+            return
+        total = sum(c.count for c in children.values())
+        if tree:
+            candidates = children.items()
+        else:  # the most frequent child (ties: the most recent)
+            candidates = [max(children.items(), key=lambda item: (item[1].count, item[1].seq))]
+        for token, child in candidates:
+            p = prob * child.count / total
+            if p >= min_prob and p > 0:
+                heapq.heappush(heap, (-p, -child.seq, next(order), token, parent, depth, child))
+
+    if limit > 0:
+        push(node, 1.0, -1, 1)
+    while heap and len(tokens) < limit:
+        neg, _, _, token, parent, depth, child = heapq.heappop(heap)
+        tokens.append(token)
+        if parents is not None:
+            parents.append(parent)
+        score -= neg
+        push(child, -neg, len(tokens) - 1, depth + 1)
+    return Draft(tokens, parents, score, match_length)
+
+
+class SuffixCache:
+    """The global suffix trie over earlier requests' prompts and outputs: bounded, LRU-evicted.
+
+    Each cached sequence has an id; the trie's nodes remember the latest sequence indexed through them,
+    and a draft taken from the cache touches that sequence (:meth:`touch`). Adding a sequence evicts the
+    least recently used ones (added or touched longest ago) until the trie has at most ``max_nodes``
+    nodes; a sequence too large for the budget on its own is not kept.
+
+    Args:
+        max_depth: the trie's depth (see :class:`SuffixTrie`).
+        max_nodes: the node budget (0: nothing is cached).
+
+    Attributes:
+        num_evicted: sequences evicted so far.
+    """
+
+    def __init__(self, max_depth: int, max_nodes: int) -> None:
+        self.trie = SuffixTrie(max_depth)
+        self.max_nodes = max_nodes
+        self.entries: OrderedDict[int, list[int]] = OrderedDict()  # least recently used first
+        self._ids = itertools.count()
+        self.num_evicted = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return self.trie.num_nodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.entries.values())
+
+    def add(self, tokens: Sequence[int]) -> int | None:
+        """Cache ``tokens`` (evicting LRU sequences to stay within budget); its id, or None when it does
+        not fit at all."""
+        if self.max_nodes <= 0 or not tokens:
+            return None
+        seq = next(self._ids)
+        stored = [int(t) for t in tokens]
+        self.entries[seq] = stored
+        self.trie.insert(stored, seq)
+        while self.trie.num_nodes > self.max_nodes and self.entries:
+            self.evict()
+        return seq if seq in self.entries else None
+
+    def touch(self, seq: int) -> None:
+        """Mark ``seq`` as just used (ignored if it was evicted)."""
+        if seq in self.entries:
+            self.entries.move_to_end(seq)
+
+    def evict(self) -> None:
+        """Drop the least recently used sequence."""
+        _, tokens = self.entries.popitem(last=False)
+        self.trie.remove(tokens)
+        self.num_evicted += 1

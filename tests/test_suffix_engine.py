@@ -1,0 +1,156 @@
+"""Suffix decoding and the hybrid drafter through the real engine: greedy output equals plain decoding
+(chains and token trees, with and without cross-request sharing, under a varying depth), and a
+chi-square test of the sampled distribution (chains and trees) with negative controls that must fail.
+
+False positives: each distribution test fails an exact engine with probability ``ALPHA`` = 1e-3 (the
+chi-square test of :mod:`tests.stats`; four such tests here: about 0.4 % per run of the file). Greedy
+tests are deterministic. The negative controls must reach p < 1e-6; with their biases (accepting every
+draft, or keeping the target's row after a tree rejection) the observed p-values are far below that.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sampling.tree_rejection_sampler as trs
+from sampling.params import SamplingParams
+from specdec import LLM
+from tests.conftest import first_three_logits, first_two_token_counts, save_target_and_draft
+from tests.stats import ALPHA, assert_differs, goodness_of_fit
+from tests.test_rejection_sampler import AcceptEverything
+
+V = 8
+PROMPT = [3, 4, 5, 6, 7, 3, 4, 5]
+BATCH = 48
+CALLS = 50  # 2,400 samples of the first two tokens per test (64 cells, pooled below 5 expected)
+
+pytestmark = pytest.mark.usefixtures("fast_cpu_settings")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("suffix")
+    target = save_target_and_draft(root, V, 1, 2)
+    l1, l2, _ = first_three_logits(target, PROMPT, V)
+    exact = (torch.softmax(l1, -1)[:, None] * torch.softmax(l2, -1)).numpy()  # joint of t1, t2 at T = 1
+    return {"target": root / "target", "exact": exact}
+
+
+def _spec(method: str, tree: bool, share: bool, k: int = 3, **extra) -> dict:
+    spec = {"method": method, "num_speculative_tokens": k, "suffix_share_across_requests": share, **extra}
+    if tree:
+        spec.update(tree="dynamic", max_tree_nodes=6)
+    return spec
+
+
+PROMPTS = [[3, 4, 5, 3, 4, 5, 3], [1, 2, 1, 2, 1], [5, 6, 7, 5, 6], [2, 2, 3, 2, 2, 3, 2], [4, 1, 4, 1, 4, 1]]
+
+
+def _greedy(llm: LLM, prompts) -> list[list[int]]:
+    params = [
+        SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(prompts))
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+CASES = [
+    ("suffix", False, False, None),
+    ("suffix", False, True, None),
+    ("suffix", True, True, None),
+    ("suffix", True, True, "test_varying"),
+    ("hybrid", False, True, None),
+    ("hybrid", True, False, None),
+]
+
+
+@pytest.mark.parametrize("method, tree, share, policy", CASES)
+def test_greedy_output_equals_plain_decoding(setup, method, tree, share, policy):
+    import tests.test_policies  # noqa: F401  (registers the "test_varying" policy)
+
+    common = dict(skip_tokenizer_init=True, block_size=4)
+    base = _greedy(LLM(setup["target"], **common), PROMPTS)
+    spec = _spec(method, tree, share, policy=policy or "static")
+    llm = LLM(setup["target"], speculative_config=spec, **common)
+    for _ in range(2):  # the second round drafts from the first's outputs when sharing
+        assert _greedy(llm, PROMPTS) == base
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens > 0
+    if tree:
+        assert stats.num_draft_nodes > stats.num_draft_tokens  # some steps verified branching trees
+    drafter = llm.engine.drafter
+    if method == "hybrid":
+        report = drafter.report()
+        assert sum(m["num_chosen"] for m in report["members"].values()) > 0
+        assert report["oracle_steps"] > 0
+        best_alone = max(m["hindsight_accepted"] for m in report["members"].values())
+        assert report["oracle_accepted_tokens"] >= best_alone  # the oracle is at least the best member
+        assert sum(m["num_chosen"] for m in report["members"].values()) == stats.num_drafts
+        # the verifier's counts, but for each request's last step, cut by max_tokens
+        chosen = sum(m["num_accepted_tokens"] for m in report["members"].values())
+        assert stats.num_accepted_tokens - 3 * 2 * len(PROMPTS) <= chosen <= stats.num_accepted_tokens
+    elif share:
+        assert drafter.num_global_drafts > 0
+
+
+def test_hybrid_metrics_say_which_member_drafted(setup):
+    llm = LLM(
+        setup["target"],
+        skip_tokenizer_init=True,
+        block_size=4,
+        speculative_config=_spec("hybrid", False, False),
+    )
+    out = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )[0]
+    members = out.metrics["drafter"]
+    assert set(members) == {"suffix", "ngram"}
+    assert sum(m["num_chosen"] for m in members.values()) == out.metrics["num_drafts"]
+    accepted = sum(m["num_accepted_tokens"] for m in members.values())
+    assert out.metrics["num_accepted_tokens"] - 3 <= accepted <= out.metrics["num_accepted_tokens"]
+
+
+# ----------------------------------------------------------------------------------- distribution
+def _llm(setup, spec: dict) -> LLM:
+    return LLM(
+        setup["target"], skip_tokenizer_init=True, seed=7, block_size=4, max_model_len=32,
+        max_num_batched_tokens=512, speculative_config=spec,
+    )  # fmt: skip
+
+
+# Sharing on, with a small cache: drafts come from earlier samples and change as the cache evicts.
+DIST_CASES = {
+    "suffix-chain": _spec("suffix", False, True, k=2, suffix_cache_max_nodes=400),
+    "suffix-tree": _spec("suffix", True, True, k=2, suffix_cache_max_nodes=400, suffix_min_token_prob=0.0),
+    "hybrid-chain": _spec("hybrid", False, True, k=2, suffix_cache_max_nodes=400),
+    "hybrid-tree": _spec("hybrid", True, True, k=2, suffix_cache_max_nodes=400, suffix_min_token_prob=0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(DIST_CASES))
+def test_sampling_matches_the_target(setup, name):
+    llm = _llm(setup, DIST_CASES[name])
+    counts = first_two_token_counts(llm, PROMPT, V, BATCH, CALLS)
+    res = goodness_of_fit(setup["exact"], counts)
+    print(f"[gof] {name}: {res.describe()}")
+    assert res.pvalue >= ALPHA, res.describe()
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if "tree" in name:
+        assert stats.num_draft_nodes > stats.num_draft_tokens
+    drafter = llm.engine.drafter
+    suffix = drafter if name.startswith("suffix") else drafter.members[0]
+    assert suffix.cache.num_evicted > 0 and suffix.num_global_drafts > 0
+
+
+@pytest.mark.parametrize("name", ["suffix-chain", "suffix-tree"])
+def test_negative_controls_fail(setup, name, monkeypatch):
+    llm = _llm(setup, DIST_CASES[name])
+    if "tree" in name:  # after a rejection keep the target's row (no residual)
+        monkeypatch.setattr(trs, "_normalise", lambda weights, fallback: fallback)
+    else:
+        llm.engine.verifier = AcceptEverything()
+    counts = first_two_token_counts(llm, PROMPT, V, BATCH, CALLS, seed_base=10**6)
+    res = assert_differs(setup["exact"], counts, label=f"{name} control")
+    assert res.pvalue < ALPHA * 1e-3
