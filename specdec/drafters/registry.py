@@ -83,6 +83,8 @@ class DrafterEntry:
 
 
 _REGISTRY: dict[str, DrafterEntry] = {}
+#: Built-in drafter names -> the index of their module in :data:`_BUILTIN_MODULES` (listing order).
+_BUILTIN_RANK: dict[str, int] = {}
 _builtins_loaded = False
 
 
@@ -116,7 +118,10 @@ def register_drafter(
     def decorate(factory: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(factory):
             raise ConfigError(f"register_drafter({name!r}) decorates a class or a callable, got {factory!r}")
-        if getattr(factory, "__module__", "") not in _BUILTIN_MODULES:
+        module = getattr(factory, "__module__", "")
+        if module in _BUILTIN_MODULES:  # listed in module order, whichever module is imported first
+            _BUILTIN_RANK.setdefault(name, _BUILTIN_MODULES.index(module))
+        else:
             _load_builtins()  # built-ins first; a user's drafter of a built-in's name replaces it
         _REGISTRY[name] = DrafterEntry(
             name,
@@ -143,9 +148,11 @@ def _load_builtins() -> None:
 
 
 def drafter_names() -> tuple[str, ...]:
-    """The registered methods, built-ins first, in registration order."""
+    """The registered methods: the built-ins in the order of their modules (whichever was imported
+    first), then the others in registration order."""
     _load_builtins()
-    return tuple(_REGISTRY)
+    last = len(_BUILTIN_MODULES)
+    return tuple(sorted(_REGISTRY, key=lambda name: _BUILTIN_RANK.get(name, last)))  # stable sort
 
 
 def get_drafter(name: str) -> DrafterEntry:
