@@ -2,6 +2,9 @@
 verification chains and token trees) and the K/V writes through the C++ kernels of
 :mod:`kernels.cpu_attention`.
 
+Layers with a sliding window or soft-capped scores (Mistral, Gemma) run the reference whole: the C++
+kernel implements neither (its output would be wrong there, so it is not called for them).
+
 Chosen by ``attention="auto"`` on the CPU when the kernel builds and the KV cache is in the model's dtype
 (an int8 cache keeps the reference); ``attention="cpu"`` asks for it by name. Output equals the
 reference's within float32 rounding (``tests/kernels/test_cpu_attention.py``).
@@ -51,7 +54,9 @@ def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> _ShortBatch:
     block_table = metadata.block_table
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    return _ShortBatch(columns[0], columns[1], columns[2], columns[3], torch.tensor(offsets), packed, block_table)
+    return _ShortBatch(
+        columns[0], columns[1], columns[2], columns[3], torch.tensor(offsets), packed, block_table
+    )
 
 
 class CpuAttention(ReferenceAttention):
@@ -61,9 +66,35 @@ class CpuAttention(ReferenceAttention):
     plan_key = "cpu"
     batch_short = False
 
+    def __init__(self) -> None:
+        self._reference = ReferenceAttention()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`ReferenceAttention.forward`; windowed or soft-capped layers run the reference."""
+        if sliding_window is not None or softcap is not None:
+            extra = {"sliding_window": sliding_window, "softcap": softcap}
+            return self._reference.forward(query, key, value, k_cache, v_cache, metadata, scale, **extra)
+        return super().forward(query, key, value, k_cache, v_cache, metadata, scale)
+
     @staticmethod
     def _write(
-        key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
         if key.stride(-1) != 1 or value.stride(-1) != 1:
             key, value = key.contiguous(), value.contiguous()
