@@ -150,6 +150,9 @@ def _arch(fields: dict[str, Any]) -> ModelArchConfig:
     values = dict(fields)
     values["inv_freq"] = tuple(values["inv_freq"])
     values["eos_token_ids"] = tuple(values["eos_token_ids"])
+    for name in ("layer_types", "local_inv_freq"):  # JSON lists back to the dataclass's tuples
+        if isinstance(values.get(name), list):
+            values[name] = tuple(values[name])
     try:
         return ModelArchConfig(**values)
     except TypeError as e:
