@@ -2,8 +2,8 @@
 verification chains and token trees) and the K/V writes through the C++ kernels of
 :mod:`kernels.cpu_attention`.
 
-Layers with a sliding window or soft-capped scores (Mistral, Gemma) run the reference whole: the C++
-kernel implements neither (its output would be wrong there, so it is not called for them).
+Sliding windows and soft-capped scores (Mistral, Gemma) are applied by the kernel too (same rules as the
+reference: positions from tree depths, keys before the window not read).
 
 Chosen by ``attention="auto"`` on the CPU when the kernel builds and the KV cache is in the model's dtype
 (an int8 cache keeps the reference); ``attention="cpu"`` asks for it by name. Output equals the
@@ -66,28 +66,6 @@ class CpuAttention(ReferenceAttention):
     plan_key = "cpu"
     batch_short = False
 
-    def __init__(self) -> None:
-        self._reference = ReferenceAttention()
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
-        """As :meth:`ReferenceAttention.forward`; windowed or soft-capped layers run the reference."""
-        if sliding_window is not None or softcap is not None:
-            extra = {"sliding_window": sliding_window, "softcap": softcap}
-            return self._reference.forward(query, key, value, k_cache, v_cache, metadata, scale, **extra)
-        return super().forward(query, key, value, k_cache, v_cache, metadata, scale)
-
     @staticmethod
     def _write(
         key: torch.Tensor,
@@ -109,11 +87,12 @@ class CpuAttention(ReferenceAttention):
         plan: _Plan,
         scale: float,
         out: torch.Tensor,
+        softcap: float | None = None,
     ) -> None:
         batch = metadata.backend_cache.get("cpu_short")
         if batch is None:
             batch = metadata.backend_cache["cpu_short"] = _short_batch(metadata, plan)
         cpu_attention.paged_attention_short(
             query.contiguous(), k_cache, v_cache, batch.block_table, batch.reqs, batch.q_start, batch.q_len,
-            batch.seq_len, batch.mask_offset, batch.masks, out, scale,
+            batch.seq_len, batch.mask_offset, batch.masks, out, scale, plan.window or 0, softcap or 0.0,
         )  # fmt: skip

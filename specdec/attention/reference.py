@@ -127,6 +127,8 @@ class _Plan:
     batched: _Batched | None
     #: The short-query requests, ``(b, start, query_len, seq_len)`` each (what ``batched`` pads).
     short: list[tuple[int, int, int, int]]
+    #: The layer's sliding window the plan was made for (None: global attention).
+    window: int | None = None
 
 
 def _plan(
@@ -169,7 +171,7 @@ def _plan(
             prefills.append(_Prefill(start, q_len, seq_len, blocks, mask, key_start))
         start += q_len
     if not short or not batch_short:
-        return _Plan(prefills, None, short)
+        return _Plan(prefills, None, short, window)
     m = len(short)
     short_t = torch.tensor(short, dtype=torch.int64)  # [m, 4]: (b, start, q_len, seq_len)
     q_lens, seq_lens = short_t[:, 2], short_t[:, 3]
@@ -206,7 +208,7 @@ def _plan(
         batch_mask = mask.unsqueeze(1).to(device)
     rows, req_of_row, pos_in_req = rows.to(device), req_of_row.to(device), pos_in_req.to(device)
     batched = _Batched(rows, req_of_row, pos_in_req, blocks, max_q, max_seq, batch_mask, key_start)
-    return _Plan(prefills, batched, short)
+    return _Plan(prefills, batched, short, window)
 
 
 class ReferenceAttention:
