@@ -183,8 +183,9 @@ class DecoderLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False)
-        local = cfg.local_inv_freq if cfg.local_inv_freq is not None else cfg.inv_freq
-        self.register_buffer("local_inv_freq", torch.tensor(local, dtype=torch.float32), persistent=False)
+        # Gemma 3's local RoPE (sliding layers); None for the families with one RoPE.
+        local = None if cfg.local_inv_freq is None else torch.tensor(cfg.local_inv_freq, dtype=torch.float32)
+        self.register_buffer("local_inv_freq", local, persistent=False)
         self.local_rope_layers = [cfg.uses_local_rope(i) for i in range(cfg.num_layers)]
 
     @property

@@ -98,9 +98,8 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32)
-    model.local_inv_freq = torch.tensor(
-        cfg.local_inv_freq if cfg.local_inv_freq is not None else cfg.inv_freq, dtype=torch.float32
-    )
+    if cfg.local_inv_freq is not None:
+        model.local_inv_freq = torch.tensor(cfg.local_inv_freq, dtype=torch.float32)
     if quantization is not None:
         quantize_model(model, quantization, dtype=dtype, device=device)
     return model.to(device=device, dtype=dtype).eval()
