@@ -305,6 +305,48 @@ def test_speculation_greedy_equals_transformers(family_dirs, hf_refs, name, fast
     assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_learned_heads_greedy_equal_transformers(family_dirs, hf_refs, name, fast_cpu_settings, tmp_path):
+    """Random Medusa heads drafting chains and static token trees (trees under sliding windows on the
+    Mistral and Gemma targets), and random EAGLE heads where the family allows them: greedy output
+    unchanged. EAGLE on a windowed or soft-capped target is refused with ConfigError."""
+    from specdec.drafters.heads import HeadConfig, arch_fields, build_heads, save_heads
+    from specdec.errors import ConfigError
+
+    target = family_dirs[name][0]
+    arch = ModelArchConfig.from_pretrained(target)
+    torch.manual_seed(0)
+    medusa_cfg = HeadConfig(
+        method="medusa", target=str(target), hidden_size=64, vocab_size=VOCAB, num_heads=3
+    )
+    heads = build_heads(medusa_cfg)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    save_heads(heads, medusa_cfg, tmp_path / "medusa")
+    tree = {"tree": "static", "tree_choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}
+    for extra in ({}, tree):
+        spec = {"method": "medusa", "model": str(tmp_path / "medusa"), "num_speculative_tokens": 3, **extra}
+        got, llm, _ = _generate(target, spec, block_size=4)
+        assert got == hf_refs[name]
+        assert llm.engine.spec_stats.num_drafts > 0
+    eagle_cfg = HeadConfig(
+        method="eagle",
+        target=str(target),
+        hidden_size=64,
+        vocab_size=VOCAB,
+        num_heads=1,
+        arch=arch_fields(arch),
+    )
+    if arch.sliding_window is not None or arch.attn_logit_softcapping is not None:
+        with pytest.raises(ConfigError, match="EAGLE heads"):
+            build_heads(eagle_cfg)
+        return
+    save_heads(build_heads(eagle_cfg), eagle_cfg, tmp_path / "eagle")
+    got, _, _ = _generate(target, {"method": "eagle", "model": str(tmp_path / "eagle")}, block_size=4)
+    assert got == hf_refs[name]
+
+
 def test_compiled_forward_carries_window_and_softcap(family_dirs, hf_refs, fast_cpu_settings):
     """Gemma 2 compiled (``backend="eager"``: the traced graph with attention in the custom op, which
     carries each layer's window and soft-cap): greedy output still equals transformers'."""
