@@ -28,16 +28,18 @@ def _attention_configs(quick: bool) -> list[Config]:
 
     out: list[Config] = []
     variants = [
-        # dtype, group, head_dim, block_size, block_m, tile_n, has_mask, splits, num_seqs_is_1
-        ("bf16", 6, 128, 16, 32, 32, True, 1, False),  # Qwen2.5-1.5B verification of a tree
-        ("bf16", 3, 64, 16, 64, 32, False, 4, True),  # SmolLM2 long-context decode at batch 1
-        ("fp32", 7, 64, 32, 16, 32, False, 1, False),
-        ("fp32", 1, 128, 32, 64, 32, True, 1, False),
-        ("bf16", 2, 16, 16, 16, 32, False, 1, False),  # the tests' tiny models (head_dim 16)
+        # dtype, group, head_dim, block_size, block_m, tile_n, has_mask, splits, num_seqs_is_1, window,
+        # softcap
+        ("bf16", 6, 128, 16, 32, 32, True, 1, False, False, False),  # Qwen2.5-1.5B verification of a tree
+        ("bf16", 4, 128, 16, 64, 32, False, 4, True, True, False),  # Mistral long-context decode, batch 1
+        ("fp32", 7, 64, 32, 16, 32, False, 1, False, False, False),
+        ("fp32", 1, 128, 32, 64, 32, True, 1, False, False, False),
+        ("bf16", 2, 16, 16, 16, 32, False, 1, False, True, True),  # tiny Gemma 2 (head_dim 16)
+        ("bf16", 2, 256, 16, 16, 32, False, 1, False, True, True),  # Gemma 2 (head_dim 256)
     ]
     if quick:
         variants = variants[:2]
-    for dtype, group, head_dim, bs, block_m, tile_n, has_mask, splits, one_seq in variants:
+    for dtype, group, head_dim, bs, block_m, tile_n, has_mask, splits, one_seq, window, cap in variants:
         head_pad = max(16, 1 << (head_dim - 1).bit_length())
         ptr = f"*{dtype}"
         sig = {
@@ -45,7 +47,7 @@ def _attention_configs(quick: bool) -> list[Config]:
             "qsl_ptr": "*i64", "seq_lens_ptr": "*i64", "block_table_ptr": "*i64",
             "mask_bits_ptr": "*i8", "mask_off_ptr": "*i32",
             "part_acc_ptr": "*fp32" if splits > 1 else ptr, "part_ml_ptr": "*fp32" if splits > 1 else ptr,
-            "qk_scale": "fp32", "num_seqs": "i32", "num_tokens": "i32",
+            "qk_scale": "fp32", "window": "i32", "softcap": "fp32", "num_seqs": "i32", "num_tokens": "i32",
             "stride_qt": "i32", "stride_qh": "i32", "stride_qd": "constexpr",
             "stride_ot": "i32", "stride_oh": "i32", "stride_od": "constexpr",
             "stride_kb": "i32", "stride_ko": "i32", "stride_kh": "i32", "stride_kd": "constexpr",
@@ -58,13 +60,15 @@ def _attention_configs(quick: bool) -> list[Config]:
             consts["num_seqs"] = 1
         consts.update(
             NUM_HEADS=2 * group, GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=bs,
-            BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n, HAS_MASK=has_mask, NUM_SPLITS=splits,
+            BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n, HAS_MASK=has_mask,
+            HAS_WINDOW=window, HAS_SOFTCAP=cap, NUM_SPLITS=splits,
             DOT_FP32=False, DOT_PRECISION="ieee" if dtype == "fp32" else None,
         )  # fmt: skip
         for name in consts:
             sig.setdefault(name, "constexpr")
         label = f"paged_attention {dtype} G{group} D{head_dim} bs{bs} M{block_m} N{tile_n}"
         label += (" tree" if has_mask else "") + (f" splits{splits}" if splits > 1 else "")
+        label += (" window" if window else "") + (" softcap" if cap else "")
         out.append((label + (" num_seqs=1" if one_seq else ""), _paged_attention_kernel, sig, consts))
         if splits > 1:
             msig = {

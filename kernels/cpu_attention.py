@@ -50,6 +50,8 @@ def paged_attention_short(
     masks: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Attend the new queries of ``m`` requests, writing their rows of ``out``.
 
@@ -67,17 +69,25 @@ def paged_attention_short(
         masks: ``[*]`` uint8, the tree masks, flattened and concatenated.
         out: ``[T, num_heads, head_dim]``, query's dtype, contiguous; only the requests' rows are written.
         scale: softmax scale.
+        window: sliding window in positions, 0 for none: a query at position p sees keys at positions
+            > p - window (chains: ``context + r``; trees: ``context + depth``, as the reference).
+        softcap: scores s become ``softcap * tanh(s / softcap)``, 0 for none.
 
     Raises:
         RuntimeError: shapes or dtypes it does not take, or the kernel is not built.
     """
     require_extension().paged_attention_short(
-        query, k_cache, v_cache, block_table, reqs, q_start, q_len, seq_len, mask_offset, masks, out, scale
-    )
+        query, k_cache, v_cache, block_table, reqs, q_start, q_len, seq_len, mask_offset, masks, out, scale,
+        window, softcap,
+    )  # fmt: skip
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Store ``key``/``value`` ``[T, num_kv_heads, head_dim]`` (unit stride along ``head_dim``) at
     ``slot_mapping`` ``[T]`` (int64; negative: skipped) of the caches, all of one dtype: the kernel of

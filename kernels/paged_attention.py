@@ -22,6 +22,14 @@ Layout of the kernel (the split of vLLM's unified attention kernel, written anew
 - With ``num_splits > 1`` (long-context decode with few programs) each program covers a slice of the
   key tiles and writes an unnormalised partial; a second kernel merges the slices.
 
+Sliding windows (``sliding_window`` > 0, Mistral / Gemma layers): a query at slot position p sees key
+positions j with ``p - sliding_window < j`` on top of the causal rule, and a query block starts its key
+loop at the first tile inside its first query's window, so blocks wholly outside it are not read. The
+kernel takes positions in slot order, which is exact for prefill, decode and verification chains; a
+tree mask together with a window is refused (:class:`ValueError`; the torch backends take positions from
+the tree's depths). Soft-capping (``softcap`` > 0, Gemma 2) turns each scaled score s into
+``softcap * tanh(s / softcap)`` before the mask.
+
 Tree masks travel packed: :func:`pack_new_token_masks` concatenates each masked request's
 ``[q_len, q_len]`` bool mask row-major into one int8 buffer and gives each request its offset in it
 (-1: causal).
@@ -94,6 +102,8 @@ def paged_attention_ref(
     block_table: torch.Tensor,
     scale: float,
     new_token_masks: list[torch.Tensor | None] | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The definition, one request at a time in float32: gather K/V through the block table, mask
     (whole context + the allowed new tokens), softmax, weighted sum. Same semantics as
@@ -105,6 +115,9 @@ def paged_attention_ref(
         query_start_loc: ``[B + 1]``; seq_lens: ``[B]``; block_table: ``[B, max_blocks]``.
         scale: softmax scale.
         new_token_masks: per request None (causal) or ``[q_len, q_len]`` bool.
+        sliding_window: > 0: a query at slot position p sees only keys j > p - sliding_window (slot
+            order; see the module docstring).
+        softcap: > 0: scaled scores s become ``softcap * tanh(s / softcap)``.
 
     Returns:
         ``[T, H, D]`` in ``query``'s dtype.
@@ -129,7 +142,12 @@ def paged_attention_ref(
             allowed[:, ctx:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril_()
         else:
             allowed[:, ctx:] = custom.to(device=query.device, dtype=torch.bool)
+        if sliding_window > 0:
+            q_pos = torch.arange(ctx, seq_len, device=query.device)
+            allowed &= q_pos[:, None] - torch.arange(seq_len, device=query.device)[None, :] < sliding_window
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
@@ -150,6 +168,8 @@ def _paged_attention_kernel(
     part_acc_ptr,
     part_ml_ptr,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in positions, 0: none
+    softcap,  # soft-cap of the scores in log2 units (softcap * log2(e)), 0: none
     num_seqs,
     num_tokens,
     stride_qt,
@@ -176,6 +196,8 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -227,8 +249,11 @@ def _paged_attention_kernel(
         if mask_off >= 0:
             kv_end = seq_len
         num_tiles = tl.cdiv(kv_end, TILE_N)
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * tiles_per_split
+        first_tile = 0
+        if HAS_WINDOW:  # tiles wholly before the first query's window are not read
+            first_tile = tl.maximum(ctx_len + q_start - window + 1, 0) // TILE_N
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+        tile_lo = first_tile + split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -265,6 +290,10 @@ def _paged_attention_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
+            if HAS_SOFTCAP:  # c * tanh(x / c) is the same map in log2 units, with c * log2(e) as the cap;
+                # tanh(y) = 1 - 2 / (e^2y + 1), which saturates to +-1 without overflow trouble
+                y = s / softcap
+                s = (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * softcap
 
             j = n - ctx_len  # key index among the new tokens (< 0: context)
             new_ok = j[None, :] <= q_idx[:, None]  # causal
@@ -279,6 +308,8 @@ def _paged_attention_kernel(
                 )
                 new_ok = tl.where(mask_off >= 0, tree != 0, new_ok)
             allowed = row_ok[:, None] & n_ok[None, :] & ((j < 0)[None, :] | new_ok)
+            if HAS_WINDOW:
+                allowed = allowed & ((ctx_len + q_idx)[:, None] - n[None, :] < window)
             s = tl.where(allowed, s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -350,6 +381,8 @@ def paged_attention_triton(
     scale: float,
     tree_mask: PackedTreeMask | None = None,
     *,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
     max_query_len: int | None = None,
     num_splits: int = 1,
     block_m: int | None = None,
@@ -359,6 +392,7 @@ def paged_attention_triton(
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``).
 
     Args: as :func:`paged_attention_ref`, with the masks packed (:func:`pack_new_token_masks`), and
+        sliding_window, softcap: as :func:`paged_attention_ref` (0: off).
         max_query_len: the longest query in the batch when the caller knows it (picks ``BLOCK_M``,
             see :func:`choose_block_m`); None assumes prefill-sized queries.
         num_splits: KV splits per query block (> 1 for long-context decode with few programs).
@@ -367,8 +401,13 @@ def paged_attention_triton(
 
     Returns:
         ``out``.
+
+    Raises:
+        ValueError: shapes that do not fit, or a tree mask with a sliding window.
     """
     num_tokens, num_heads, head_dim = query.shape
+    if sliding_window > 0 and tree_mask is not None:
+        raise ValueError("paged_attention_triton: tree masks with a sliding window are not supported")
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if num_heads % num_kv_heads or cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -413,6 +452,8 @@ def paged_attention_triton(
         part_acc,
         part_ml,
         scale * _LOG2E,
+        sliding_window,
+        softcap * _LOG2E,
         num_seqs,
         num_tokens,
         *query.stride(),
@@ -429,6 +470,8 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         TILE_N=tile_n,
         HAS_MASK=tree_mask is not None,
+        HAS_WINDOW=sliding_window > 0,
+        HAS_SOFTCAP=softcap > 0,
         NUM_SPLITS=num_splits,
         DOT_FP32=dot_fp32,
         DOT_PRECISION=precision,

@@ -20,10 +20,16 @@ Definitions (all in bytes; GB = 10^9, GiB = 2^30):
 - **requests a budget holds**: KV blocks in the budget (``memory_bytes`` minus the weights, or a KV budget
   ``kv_cache_memory_bytes`` as ``LLM`` takes) ÷ blocks per request, rounded down: the number of requests
   of ``context`` tokens that run at once without preemption.
+- **sliding windows** (Mistral, Gemma 2/3, windowed Qwen/Phi-3 configs): a windowed layer's attention
+  reads only the last ``sliding_window`` tokens of KV, so its share of the KV read per step is
+  ``min(context, sliding_window)`` tokens (``kv_read_bytes_per_request``). The engine still holds every
+  token's KV in every layer (blocks outside the windows are not freed), so the bytes held, the blocks per
+  request and the requests a budget holds are those of full attention.
 - **bandwidth floor of a decode step**: the bytes one step must read, ÷ the memory read bandwidth (given,
   or measured by :func:`measure_read_bandwidth`). A step at batch B reads every weight once (the embedding
-  table only in B rows, unless it is also the dense LM head) and each request's whole KV:
-  ``weight_read_bytes + B × context × KV bytes per token``. ``floor_tokens_per_s = B / floor_step_s``
+  table only in B rows, unless it is also the dense LM head) and each request's KV inside the windows:
+  ``weight_read_bytes + B × kv_read_bytes_per_request`` (``context × KV bytes per token`` without
+  windows). ``floor_tokens_per_s = B / floor_step_s``
   is the fastest plain decoding can go; real steps are slower (compute, small matrix-vector products
   that do not reach streaming bandwidth, Python), see the README's figures.
 
@@ -70,6 +76,7 @@ class MemoryEstimate:
     kv_bytes_per_token: int
     kv_bytes_per_block: int
     kv_bytes_per_request: int
+    kv_read_bytes_per_request: int
     kv_blocks_per_request: int
     kv_budget_bytes: int | None
     num_kv_blocks: int | None
@@ -93,6 +100,10 @@ class MemoryEstimate:
             f"KV per request     {mb(self.kv_bytes_per_request)} ({self.context} tokens; "
             f"{self.kv_blocks_per_request} blocks of {self.block_size})",
         ]
+        if self.kv_read_bytes_per_request != self.kv_bytes_per_request:
+            lines.append(
+                f"KV read per step   {mb(self.kv_read_bytes_per_request)} per request (sliding windows)"
+            )
         if self.max_requests is not None:
             lines.append(
                 f"budget             {mb(self.kv_budget_bytes or 0)} for KV = {self.num_kv_blocks} blocks "
@@ -147,6 +158,21 @@ def _linears(cfg: ModelArchConfig) -> list[tuple[int, int, bool]]:
     ]
 
 
+def _norm_params_per_layer(cfg: ModelArchConfig) -> int:
+    """Norm weights of one decoder layer: before attention and MLP, after them with ``post_norms``
+    (Gemma), per query and key head with ``qk_norm`` (Qwen3, Gemma 3)."""
+    return (4 if cfg.post_norms else 2) * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+
+
+def kv_read_tokens(cfg: ModelArchConfig, context: int) -> float:
+    """Tokens of KV a decode step reads per request, averaged over layers: ``context`` for a global
+    layer, ``min(context, sliding_window)`` for a windowed one (HF ``sliding_window``, ``layer_types``)."""
+    per_layer = [
+        context if (w := cfg.layer_window(i)) is None else min(context, w) for i in range(cfg.num_layers)
+    ]
+    return sum(per_layer) / cfg.num_layers
+
+
 def weight_bytes(
     cfg: ModelArchConfig,
     dtype: torch.dtype,
@@ -179,8 +205,9 @@ def weight_bytes(
             quantization.zero_point,
         )
 
-    per_layer = sum(linear_bytes(o, i, b) for o, i, b in _linears(cfg)) + 2 * h * elem
-    params_per_layer = sum(o * i + (o if b else 0) for o, i, b in _linears(cfg)) + 2 * h
+    norms = _norm_params_per_layer(cfg)
+    per_layer = sum(linear_bytes(o, i, b) for o, i, b in _linears(cfg)) + norms * elem
+    params_per_layer = sum(o * i + (o if b else 0) for o, i, b in _linears(cfg)) + norms
     layers = cfg.num_layers * per_layer
     embed = v * h * elem
     head_quantized = quantization is not None and quantization.lm_head
@@ -260,7 +287,8 @@ def estimate(
     max_requests = None if num_blocks is None else num_blocks // blocks_per_request
     measured = bandwidth_bytes_per_s is None
     bandwidth = measure_read_bandwidth() if bandwidth_bytes_per_s is None else float(bandwidth_bytes_per_s)
-    step = read + batch * context * per_token
+    kv_read = round(kv_read_tokens(cfg, context) * per_token)
+    step = read + batch * kv_read
     floor = step / bandwidth
     qname = None
     if qconfig is not None:
@@ -282,6 +310,7 @@ def estimate(
         kv_bytes_per_token=per_token,
         kv_bytes_per_block=per_block,
         kv_bytes_per_request=per_token * context,
+        kv_read_bytes_per_request=kv_read,
         kv_blocks_per_request=blocks_per_request,
         kv_budget_bytes=budget,
         num_kv_blocks=num_blocks,

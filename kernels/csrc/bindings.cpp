@@ -6,7 +6,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
                            torch::Tensor q_len, torch::Tensor seq_len, torch::Tensor mask_offset,
-                           torch::Tensor masks, torch::Tensor out, double scale);
+                           torch::Tensor masks, torch::Tensor out, double scale, int64_t window,
+                           double softcap);
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
 

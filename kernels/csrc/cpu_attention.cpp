@@ -5,6 +5,10 @@
 // k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim]. The first ctx = seq_len - q_len keys
 // are context, seen by every query; among the new keys, query r sees key r' when r' <= r (causal) or when
 // the request's tree attention mask says so (masks[mask_offset + r * q_len + r'], uint8).
+// A sliding window (window > 0, Mistral / Gemma layers) hides keys at positions <= p - window from the
+// query at position p: positions are ctx + r in a chain and ctx + depth inside a tree (depth: the node's
+// visible new tokens - 1); keys before the first query's window are not read. Soft-capping (softcap > 0,
+// Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax.
 //
 // One task per (request, KV head), at::parallel_for over them: the task's G * q_len query rows (G query
 // heads per KV head, grouped-query attention) are scored against each key as it is read, so K and V are
@@ -13,6 +17,7 @@
 // tests/kernels/test_cpu_attention.py compares them.
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 #include "cpu_simd.h"
@@ -25,10 +30,11 @@ template <typename T>
 void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* block_table, int64_t bt_stride,
             const int64_t* reqs, const int64_t* q_start, const int64_t* q_len, const int64_t* seq_len,
             const int64_t* mask_offset, const uint8_t* masks, T* out, int64_t m, int64_t H, int64_t KVH,
-            int64_t D, int64_t block_size, float scale) {
+            int64_t D, int64_t block_size, float scale, int64_t window, float softcap) {
   const int64_t G = H / KVH;
   at::parallel_for(0, m * KVH, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> q, scores, acc;
+    std::vector<int64_t> pos;  // positions of the request's new tokens
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / KVH, g = task % KVH;
       const int64_t ql = q_len[i], L = seq_len[i], ctx = L - ql, R = ql * G;
@@ -41,18 +47,39 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
           const T* src = query + ((q_start[i] + r) * H + g * G + h) * D;
           for (int64_t d = 0; d < D; ++d) q[(r * G + h) * D + d] = to_float(src[d]) * scale;
         }
+      pos.resize(ql);
+      int64_t first_key = 0;
+      if (window > 0) {
+        int64_t min_pos = ctx + ql;
+        for (int64_t r = 0; r < ql; ++r) {
+          int64_t depth = r;
+          if (mask) {
+            depth = -1;
+            for (int64_t c = 0; c < ql; ++c) depth += mask[r * ql + c] ? 1 : 0;
+          }
+          pos[r] = ctx + depth;
+          min_pos = std::min(min_pos, pos[r]);
+        }
+        first_key = std::max<int64_t>(0, min_pos - window + 1);
+      }
       scores.assign(R * L, -std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < L; ++j) {
+      for (int64_t j = first_key; j < L; ++j) {
         const T* k = k_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
         const int64_t nj = j - ctx;  // index among the new keys, negative for context
+        const int64_t key_pos = (window > 0 && nj >= 0) ? pos[nj] : j;
         for (int64_t r = 0; r < ql; ++r) {
           if (nj >= 0 && (mask ? !mask[r * ql + nj] : nj > r)) continue;
-          for (int64_t h = 0; h < G; ++h) scores[(r * G + h) * L + j] = dot(k, &q[(r * G + h) * D], D);
+          if (window > 0 && pos[r] - key_pos >= window) continue;
+          for (int64_t h = 0; h < G; ++h) {
+            float s = dot(k, &q[(r * G + h) * D], D);
+            if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
+            scores[(r * G + h) * L + j] = s;
+          }
         }
       }
       for (int64_t rr = 0; rr < R; ++rr) softmax_inplace(&scores[rr * L], L);
       acc.assign(R * D, 0.f);
-      for (int64_t j = 0; j < L; ++j) {
+      for (int64_t j = first_key; j < L; ++j) {
         const T* v = v_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
         for (int64_t rr = 0; rr < R; ++rr) {
           const float p = scores[rr * L + j];
@@ -114,11 +141,12 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 // query [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] (query's dtype, contiguous);
 // block_table [B, max_blocks] int64; reqs, q_start, q_len, seq_len, mask_offset [m] int64 (reqs: rows of
 // block_table; mask_offset -1: causal); masks uint8 (flat tree masks); out [T, H, D], rows of the m
-// requests written.
+// requests written; window: sliding window in positions (0: none); softcap: score soft-cap (0: none).
 void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
                            torch::Tensor q_len, torch::Tensor seq_len, torch::Tensor mask_offset,
-                           torch::Tensor masks, torch::Tensor out, double scale) {
+                           torch::Tensor masks, torch::Tensor out, double scale, int64_t window,
+                           double softcap) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention_short: query [T, H, D], caches [num_blocks, block_size, KVH, D]");
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
@@ -139,7 +167,7 @@ void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Te
                   block_table.data_ptr<int64_t>(), block_table.stride(0), reqs.data_ptr<int64_t>(),
                   q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(),
                   mask_offset.data_ptr<int64_t>(), mp, out.data_ptr<float>(), m, H, KVH, D, block_size,
-                  static_cast<float>(scale));
+                  static_cast<float>(scale), window, static_cast<float>(softcap));
   } else {
     TORCH_CHECK(query.scalar_type() == torch::kBFloat16, "paged_attention_short: float32 or bfloat16");
     attend<at::BFloat16>(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
@@ -147,6 +175,6 @@ void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Te
                          block_table.stride(0), reqs.data_ptr<int64_t>(), q_start.data_ptr<int64_t>(),
                          q_len.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(),
                          mask_offset.data_ptr<int64_t>(), mp, out.data_ptr<at::BFloat16>(), m, H, KVH, D,
-                         block_size, static_cast<float>(scale));
+                         block_size, static_cast<float>(scale), window, static_cast<float>(softcap));
   }
 }

@@ -36,6 +36,9 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write the new K/V into the cache, then attend.
 
@@ -44,7 +47,12 @@ class AttentionBackend(Protocol):
             key, value: ``[T, num_kv_heads, head_dim]``, RoPE applied to ``key``.
             k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, updated in place.
             metadata: the flattened batch.
-            scale: softmax scale, usually ``head_dim ** -0.5``.
+            scale: softmax scale, usually ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``).
+            sliding_window: the layer's window in positions: a query at position p sees key positions
+                j with ``p - sliding_window < j <= p`` (HF ``sliding_window``, Mistral / Gemma); None: all.
+            softcap: scaled scores s become ``softcap * tanh(s / softcap)`` before the mask (HF
+                ``attn_logit_softcapping``, Gemma 2); None: off. Decoder layers pass these two keywords
+                only when set, so a backend without them still serves the families that need neither.
 
         Returns:
             ``[T, num_heads, head_dim]`` attention output.

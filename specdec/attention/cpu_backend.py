@@ -2,6 +2,9 @@
 verification chains and token trees) and the K/V writes through the C++ kernels of
 :mod:`kernels.cpu_attention`.
 
+Sliding windows and soft-capped scores (Mistral, Gemma) are applied by the kernel too (same rules as the
+reference: positions from tree depths, keys before the window not read).
+
 Chosen by ``attention="auto"`` on the CPU when the kernel builds and the KV cache is in the model's dtype
 (an int8 cache keeps the reference); ``attention="cpu"`` asks for it by name. Output equals the
 reference's within float32 rounding (``tests/kernels/test_cpu_attention.py``).
@@ -51,7 +54,9 @@ def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> _ShortBatch:
     block_table = metadata.block_table
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    return _ShortBatch(columns[0], columns[1], columns[2], columns[3], torch.tensor(offsets), packed, block_table)
+    return _ShortBatch(
+        columns[0], columns[1], columns[2], columns[3], torch.tensor(offsets), packed, block_table
+    )
 
 
 class CpuAttention(ReferenceAttention):
@@ -63,7 +68,11 @@ class CpuAttention(ReferenceAttention):
 
     @staticmethod
     def _write(
-        key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
         if key.stride(-1) != 1 or value.stride(-1) != 1:
             key, value = key.contiguous(), value.contiguous()
@@ -78,11 +87,12 @@ class CpuAttention(ReferenceAttention):
         plan: _Plan,
         scale: float,
         out: torch.Tensor,
+        softcap: float | None = None,
     ) -> None:
         batch = metadata.backend_cache.get("cpu_short")
         if batch is None:
             batch = metadata.backend_cache["cpu_short"] = _short_batch(metadata, plan)
         cpu_attention.paged_attention_short(
             query.contiguous(), k_cache, v_cache, batch.block_table, batch.reqs, batch.q_start, batch.q_len,
-            batch.seq_len, batch.mask_offset, batch.masks, out, scale,
+            batch.seq_len, batch.mask_offset, batch.masks, out, scale, plan.window or 0, softcap or 0.0,
         )  # fmt: skip

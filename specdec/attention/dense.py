@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention.base import AttentionMetadata
+from specdec.attention.reference import explicit_attention, new_token_positions, window_allowed
 
 
 class DenseAttention:
@@ -29,8 +30,12 @@ class DenseAttention:
         v_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]`` -> ``[T, H, D]``; caches are ignored."""
+        """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, KVH, D]`` -> ``[T, H, D]``; caches are ignored;
+        ``sliding_window``/``softcap`` as :class:`~specdec.attention.base.AttentionBackend`."""
         if metadata.query_lens != metadata.seq_lens_host:
             raise ValueError("DenseAttention takes whole sequences only (no cached context)")
         gqa = query.shape[1] != key.shape[1]
@@ -41,8 +46,15 @@ class DenseAttention:
             q = query[start : start + n].transpose(0, 1)
             k = key[start : start + n].transpose(0, 1)
             v = value[start : start + n].transpose(0, 1)
-            mask = None if masks is None else masks[b]
-            if mask is None:
+            custom = None if masks is None else masks[b]
+            mask = None if custom is None else custom.to(device=q.device, dtype=torch.bool)
+            if sliding_window is not None and n > sliding_window:
+                pos = new_token_positions(n, 0, custom)
+                inside = window_allowed(pos, pos, sliding_window).to(q.device)
+                mask = inside & (torch.ones_like(inside).tril_() if mask is None else mask)
+            if softcap is not None:
+                o = explicit_attention(q, k, v, mask, scale, softcap)
+            elif mask is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

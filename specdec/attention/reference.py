@@ -12,6 +12,15 @@ split into chunks (with a cache in the model dtype the fresh K/V of a first chun
 
 The K/V write, :func:`write_kv`, is the reference of :mod:`kernels.reshape_and_cache` and is defined
 there (re-exported here).
+
+Sliding windows and soft-capping (per layer, the ``sliding_window`` and ``softcap`` keywords of
+:meth:`ReferenceAttention.forward`): a query at position p sees key position j only when
+``p - sliding_window < j`` (transformers' ``sliding_window_overlay``), on top of the causal or tree
+mask; positions are slot order for chains and ``context_len + depth`` inside a token tree (depth: the
+node's ancestors in its mask row). Prefill chunks and a lone decode row read only the blocks that hold a
+key inside the window; padded short batches mask the others. Soft-capping turns each scaled score s into
+``softcap * tanh(s / softcap)`` before the mask (Gemma 2), so those layers attend through explicit
+matmuls instead of SDPA.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_int8 import dequantize_kv, is_int8_cache
 from kernels.reshape_and_cache import write_kv
 
-__all__ = ["BATCHED_QUERY_MAX", "ReferenceAttention", "write_kv"]
+__all__ = ["BATCHED_QUERY_MAX", "ReferenceAttention", "explicit_attention", "new_token_positions", "write_kv"]
 
 #: Requests with at most this many new tokens share one padded, batched SDPA call.
 BATCHED_QUERY_MAX = 32
@@ -50,6 +59,42 @@ def _new_token_mask(query_len: int, custom: torch.Tensor | None, device: torch.d
     return custom.to(device=device, dtype=torch.bool)
 
 
+def new_token_positions(query_len: int, context_len: int, custom: torch.Tensor | None) -> torch.Tensor:
+    """``[query_len]`` int64 positions of a request's new tokens: ``context_len + i`` (causal), or
+    ``context_len + depth`` under a tree mask (depth = the node's visible new tokens - 1)."""
+    if custom is None:
+        return torch.arange(context_len, context_len + query_len)
+    return context_len + custom.to(device="cpu", dtype=torch.int64).sum(dim=1) - 1
+
+
+def window_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``[..., q, k]`` bool: key position ``k_pos`` lies inside the sliding window of query position
+    ``q_pos`` (``q_pos - window < k_pos``); causality is the caller's mask."""
+    return (q_pos[..., :, None] - k_pos[..., None, :]) < window
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention written out (for soft-capped scores, which SDPA cannot apply): ``q`` ``[H, q, D]``,
+    ``k``/``v`` ``[KVH, L, D]``, ``mask`` ``[q, L]`` bool (None: causal, q == L) -> ``[H, q, D]``.
+    Scores and softmax in float32, as transformers' eager Gemma 2 attention."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = _causal_mask(q.shape[1], q.device)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 @dataclass
 class _Prefill:
     """One long-query request: rows ``start:start+query_len``; ``mask`` None means plain causal."""
@@ -58,7 +103,8 @@ class _Prefill:
     query_len: int
     seq_len: int
     blocks: torch.Tensor | None  # [num_blocks] or None when there is no context (keys are the new tokens)
-    mask: torch.Tensor | None  # [query_len, seq_len] bool
+    mask: torch.Tensor | None  # [query_len, seq_len - key_start] bool
+    key_start: int = 0  # first key read (a block boundary; > 0 when a sliding window skips blocks)
 
 
 @dataclass
@@ -72,6 +118,7 @@ class _Batched:
     max_q: int
     max_seq: int
     mask: torch.Tensor | None  # [m, 1, max_q, max_seq] bool, None for a single unpadded decode row
+    key_start: int = 0  # single decode row under a sliding window: first key inside it
 
 
 @dataclass
@@ -80,6 +127,8 @@ class _Plan:
     batched: _Batched | None
     #: The short-query requests, ``(b, start, query_len, seq_len)`` each (what ``batched`` pads).
     short: list[tuple[int, int, int, int]]
+    #: The layer's sliding window the plan was made for (None: global attention).
+    window: int | None = None
 
 
 def _plan(
@@ -88,9 +137,11 @@ def _plan(
     device: torch.device,
     from_cache: bool = False,
     batch_short: bool = True,
+    window: int | None = None,
 ) -> _Plan:
     """``from_cache``: prefill chunks read their own K/V back from the cache too (an int8 cache).
-    ``batch_short``: build the padded batch of the short-query requests (False: a kernel attends them)."""
+    ``batch_short``: build the padded batch of the short-query requests (False: a kernel attends them).
+    ``window``: the layer's sliding window in positions (None: global attention)."""
     masks = metadata.new_token_masks
     prefills: list[_Prefill] = []
     short: list[tuple[int, int, int, int]] = []  # (b, start, q_len, seq_len)
@@ -101,17 +152,26 @@ def _plan(
             short.append((b, start, q_len, seq_len))
         else:
             context_len = seq_len - q_len
+            windowed = window is not None and seq_len > window
+            key_start = 0
+            if windowed:  # skip the blocks wholly before the first query's window
+                q_pos = new_token_positions(q_len, context_len, custom)
+                key_start = max(0, int(q_pos.min()) - window + 1) // block_size * block_size
             blocks = None
             if context_len > 0 or from_cache:
-                blocks = metadata.block_table[b, : -(-seq_len // block_size)]
+                blocks = metadata.block_table[b, key_start // block_size : -(-seq_len // block_size)]
             mask = None
-            if context_len > 0 or custom is not None:
+            if context_len > 0 or custom is not None or windowed:
                 mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
                 mask[:, context_len:] = _new_token_mask(q_len, custom, device)
-            prefills.append(_Prefill(start, q_len, seq_len, blocks, mask))
+                if windowed:
+                    k_pos = torch.cat([torch.arange(context_len), q_pos])
+                    mask &= window_allowed(q_pos, k_pos, window).to(device)  # type: ignore[arg-type]
+                    mask = mask[:, key_start:]
+            prefills.append(_Prefill(start, q_len, seq_len, blocks, mask, key_start))
         start += q_len
     if not short or not batch_short:
-        return _Plan(prefills, None, short)
+        return _Plan(prefills, None, short, window)
     m = len(short)
     short_t = torch.tensor(short, dtype=torch.int64)  # [m, 4]: (b, start, q_len, seq_len)
     q_lens, seq_lens = short_t[:, 2], short_t[:, 3]
@@ -122,7 +182,11 @@ def _plan(
     pos_in_req = torch.arange(len(req_of_row)) - row_starts[req_of_row]
     rows = short_t[req_of_row, 1] + pos_in_req
     batch_mask: torch.Tensor | None = None
-    if not (m == 1 and max_q == 1):
+    key_start = 0
+    if m == 1 and max_q == 1:
+        if window is not None:  # one decode row: read only the keys inside its window
+            key_start = max(0, max_seq - window)
+    else:
         # mask[i, 0, r, j]: query r of request i may see key j. Causal: key j is visible to query r when
         # j < context_len + r + 1; padding rows (r >= q_len) see key 0 only (their output is discarded).
         r = torch.arange(max_q)[None, :, None]
@@ -130,15 +194,21 @@ def _plan(
         ctx = (seq_lens - q_lens)[:, None, None]
         valid_row = r < q_lens[:, None, None]
         mask = (j <= ctx + r) & valid_row
-        mask |= ~valid_row & (j == 0)
+        q_pos = (ctx + r)[:, :, 0]  # [m, max_q]
+        k_pos = j[0].expand(m, max_seq).clone()  # [m, max_seq]
         if masks is not None:
             for i, (b, _, ql, sl) in enumerate(short):
                 if masks[b] is not None:  # a tree attention mask among the new tokens
                     c = sl - ql
-                    mask[i, :ql, c:sl] = _new_token_mask(ql, masks[b], device)
+                    mask[i, :ql, c:sl] = _new_token_mask(ql, masks[b], "cpu")  # type: ignore[arg-type]
+                    q_pos[i, :ql] = k_pos[i, c:sl] = new_token_positions(ql, c, masks[b])
+        if window is not None:
+            mask &= window_allowed(q_pos, k_pos, window)
+        mask |= ~valid_row & (j == 0)
         batch_mask = mask.unsqueeze(1).to(device)
     rows, req_of_row, pos_in_req = rows.to(device), req_of_row.to(device), pos_in_req.to(device)
-    return _Plan(prefills, _Batched(rows, req_of_row, pos_in_req, blocks, max_q, max_seq, batch_mask), short)
+    batched = _Batched(rows, req_of_row, pos_in_req, blocks, max_q, max_seq, batch_mask, key_start)
+    return _Plan(prefills, batched, short, window)
 
 
 class ReferenceAttention:
@@ -159,26 +229,38 @@ class ReferenceAttention:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        """As :meth:`~specdec.attention.base.AttentionBackend.forward`; ``sliding_window`` (positions, the
+        query's included) and ``softcap`` (tanh soft-capping of the scaled scores) are the layer's, None
+        when off (see the module docstring)."""
         self._write(key, value, k_cache, v_cache, metadata.slot_mapping)
-        plan = metadata.backend_cache.get(self.plan_key)
+        key_ = self.plan_key if sliding_window is None else (self.plan_key, sliding_window)
+        plan = metadata.backend_cache.get(key_)
         if plan is None:
-            plan = metadata.backend_cache[self.plan_key] = _plan(
+            plan = metadata.backend_cache[key_] = _plan(
                 metadata,
                 k_cache.shape[1],
                 query.device,
                 from_cache=is_int8_cache(k_cache),
                 batch_short=self.batch_short,
+                window=sliding_window,
             )
         out = query.new_empty(query.shape)  # contiguous, whatever the query's strides
-        self._prefills(query, key, value, k_cache, v_cache, plan, scale, out)
+        self._prefills(query, key, value, k_cache, v_cache, plan, scale, out, softcap)
         if plan.short:
-            self._short(query, k_cache, v_cache, metadata, plan, scale, out)
+            self._short(query, k_cache, v_cache, metadata, plan, scale, out, softcap)
         return out
 
     @staticmethod
     def _write(
-        key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
         """Store the new K/V at their slots (:func:`write_kv`)."""
         write_kv(key, value, k_cache, v_cache, slots)
@@ -193,6 +275,7 @@ class ReferenceAttention:
         plan: _Plan,
         scale: float,
         out: torch.Tensor,
+        softcap: float | None = None,
     ) -> None:
         """Long-query requests (prefill chunks), one SDPA call each, into ``out``'s rows."""
         gqa = query.shape[1] != key.shape[1]
@@ -202,10 +285,13 @@ class ReferenceAttention:
             if p.blocks is None:
                 k, v = key[rows], value[rows]
             else:
-                k = _read(k_cache[p.blocks].flatten(0, 1)[: p.seq_len], q.dtype)
-                v = _read(v_cache[p.blocks].flatten(0, 1)[: p.seq_len], q.dtype)
+                n = p.seq_len - p.key_start
+                k = _read(k_cache[p.blocks].flatten(0, 1)[:n], q.dtype)
+                v = _read(v_cache[p.blocks].flatten(0, 1)[:n], q.dtype)
             k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
-            if p.mask is None:
+            if softcap is not None:
+                o = explicit_attention(q, k, v, p.mask, scale, softcap)
+            elif p.mask is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
@@ -220,6 +306,7 @@ class ReferenceAttention:
         plan: _Plan,
         scale: float,
         out: torch.Tensor,
+        softcap: float | None = None,
     ) -> None:
         """Short-query requests (decode, verification), into ``out``'s rows."""
         bt = plan.batched
@@ -227,17 +314,31 @@ class ReferenceAttention:
         gqa = query.shape[1] != k_cache.shape[2]
         if bt.mask is None:
             # One request decoding one token: no mask and no padding, so SDPA's fused kernel applies.
+            bs = k_cache.shape[1]
+            first = bt.key_start // bs * bs  # a window skips whole blocks, then the keys before it
+            blocks = bt.blocks[0, first // bs :]
+            keys = slice(bt.key_start - first, bt.max_seq - first)
             q = query[bt.rows].transpose(0, 1).unsqueeze(0)  # [1, H, 1, D]
-            k = _read(k_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq], q.dtype).transpose(0, 1).unsqueeze(0)
-            v = _read(v_cache[bt.blocks[0]].flatten(0, 1)[: bt.max_seq], q.dtype).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=gqa)
+            k = _read(k_cache[blocks].flatten(0, 1)[keys], q.dtype).transpose(0, 1).unsqueeze(0)
+            v = _read(v_cache[blocks].flatten(0, 1)[keys], q.dtype).transpose(0, 1).unsqueeze(0)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            if softcap is not None:
+                every_key = torch.ones(1, k.shape[2], dtype=torch.bool, device=q.device)
+                out[bt.rows] = explicit_attention(q[0], k[0], v[0], every_key, scale, softcap).transpose(0, 1)
+                return
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
             out[bt.rows] = o[0].transpose(0, 1)
         else:
-            out[bt.rows] = self._batched(query, k_cache, v_cache, bt, scale)
+            out[bt.rows] = self._batched(query, k_cache, v_cache, bt, scale, softcap)
 
     @staticmethod
     def _batched(
-        query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bt: _Batched, scale: float
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        bt: _Batched,
+        scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Short queries of ``m`` requests at once: grouped-query attention as two batched matmuls.
 
@@ -256,6 +357,8 @@ class ReferenceAttention:
         # [m, H, max_q, D] -> [m, KVH, G * max_q, D]: query head h reads KV head h // G.
         q = q.transpose(1, 2).reshape(m, num_kv_heads, group * bt.max_q, head_dim)
         scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale  # [m, KVH, G*max_q, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if bt.mask is not None:
             scores = scores.view(m, num_kv_heads, group, bt.max_q, bt.max_seq).masked_fill(
                 ~bt.mask.unsqueeze(1), float("-inf")

@@ -32,7 +32,8 @@ def _num_sms(device: torch.device) -> int:
 
 class TritonAttention:
     """Triton :class:`~specdec.attention.base.AttentionBackend`: writes K/V with one kernel, attends with
-    one (plus a merge kernel when a long-context decode batch is split along the keys)."""
+        one (plus a merge kernel when a long-context decode batch is split along the keys). Sliding windows
+    and soft-capping go to the kernel; a window with tree masks is refused."""
 
     def forward(
         self,
@@ -43,7 +44,16 @@ class TritonAttention:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        """As :class:`~specdec.attention.base.AttentionBackend`.
+
+        Raises:
+            ValueError: a sliding window together with tree attention masks (the kernel takes positions
+                in slot order; see :mod:`kernels.paged_attention`).
+        """
         from kernels.paged_attention import (
             choose_block_m,
             choose_num_splits,
@@ -75,6 +85,8 @@ class TritonAttention:
             metadata.block_table,
             scale,
             plan.tree_mask,  # type: ignore[arg-type]
+            sliding_window=sliding_window or 0,
+            softcap=softcap or 0.0,
             max_query_len=plan.max_query_len,
             num_splits=plan.num_splits,
         )

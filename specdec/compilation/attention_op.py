@@ -56,7 +56,13 @@ def forward_context(ctx: ForwardContext) -> Iterator[None]:
 
 @torch.library.custom_op("specdec::paged_attention", mutates_args=())
 def paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write the K/V of the real rows into layer ``layer``'s cache and attend.
 
@@ -65,6 +71,8 @@ def paged_attention(
         key, value: ``[T_pad, num_kv_heads, head_dim]``.
         layer: index into the context's ``kv_caches``.
         scale: softmax scale.
+        sliding_window, softcap: the layer's window (positions) and score soft-cap, 0 when off (see
+            :class:`~specdec.attention.base.AttentionBackend`).
 
     Returns:
         ``[T_pad, num_heads, head_dim]``: attention output of the first ``num_tokens`` rows, zeros after.
@@ -77,7 +85,12 @@ def paged_attention(
     ctx = _current[-1]
     n = ctx.num_tokens
     k_cache, v_cache = ctx.kv_caches[layer]
-    out = ctx.attention.forward(query[:n], key[:n], value[:n], k_cache, v_cache, ctx.metadata, scale)
+    extra: dict[str, float | int] = {}
+    if sliding_window > 0:
+        extra["sliding_window"] = sliding_window
+    if softcap > 0:
+        extra["softcap"] = softcap
+    out = ctx.attention.forward(query[:n], key[:n], value[:n], k_cache, v_cache, ctx.metadata, scale, **extra)
     if n == query.shape[0]:
         return out
     padded = query.new_zeros(query.shape)
@@ -87,7 +100,13 @@ def paged_attention(
 
 @paged_attention.register_fake
 def _paged_attention_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     return torch.empty_like(query)
 
@@ -108,5 +127,10 @@ class LayerAttentionOp:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return torch.ops.specdec.paged_attention(query, key, value, self.layer, scale)
+        return torch.ops.specdec.paged_attention(
+            query, key, value, self.layer, scale, sliding_window or 0, softcap or 0.0
+        )

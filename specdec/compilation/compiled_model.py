@@ -166,5 +166,5 @@ class CompiledDecoder:
         # bucket would otherwise multiply every padding row by the whole vocabulary).
         hidden = hidden[:n]
         rows = hidden if logits_indices is None else hidden[logits_indices]
-        logits = self.model.lm_head(rows).float()
+        logits = self.model.logits(rows)
         return logits, (hidden if all_hidden or logits_indices is None else rows)

@@ -160,7 +160,7 @@ class EagleDrafter(DrafterBase):
 
     # ------------------------------------------------------------------ head
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.lm_head(hidden.to(self.target.dtype)).float()
+        return self.target.logits(hidden.to(self.target.dtype))
 
     def _run(self, segments: list[Segment], features: torch.Tensor) -> torch.Tensor:
         """Head forward over paged segments whose ``token_ids`` are the ``x_{t+1}``; returns the predicted

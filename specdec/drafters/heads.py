@@ -100,12 +100,20 @@ class EagleHead(nn.Module):
 
     Args:
         arch: the target's architecture (hidden size, heads, RoPE).
+
+    Raises:
+        ConfigError: a target with sliding windows or soft-capped attention (Mistral, Gemma).
     """
 
     inv_freq: torch.Tensor
 
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
+        if arch.sliding_window is not None or arch.attn_logit_softcapping is not None:
+            raise ConfigError(
+                f"EAGLE heads on a {arch.model_type} target with sliding-window or soft-capped attention "
+                "are not supported yet (the head's tree-drafting attention implements neither)"
+            )
         self.arch = arch
         self.fc = nn.Linear(2 * arch.hidden_size, arch.hidden_size)
         self.layer = DecoderLayer(arch)
@@ -150,6 +158,9 @@ def _arch(fields: dict[str, Any]) -> ModelArchConfig:
     values = dict(fields)
     values["inv_freq"] = tuple(values["inv_freq"])
     values["eos_token_ids"] = tuple(values["eos_token_ids"])
+    for name in ("layer_types", "local_inv_freq"):  # JSON lists back to the dataclass's tuples
+        if isinstance(values.get(name), list):
+            values[name] = tuple(values[name])
     try:
         return ModelArchConfig(**values)
     except TypeError as e:

@@ -118,7 +118,7 @@ class MedusaDrafter(DrafterBase):
         features = torch.stack([self.last_feature[batch[i].request.request_id] for i in drafting])  # [B, H]
         depth = min(self.config.num_speculative_tokens, max(batch[i].max_drafts for i in drafting))
         hidden = self.heads(features.to(next(self.heads.parameters()).dtype))[:, :depth]  # [B, depth, H]
-        logits = self.target.lm_head(hidden.to(self.target.dtype))  # [B, depth, V]
+        logits = self.target.logits(hidden.to(self.target.dtype))  # [B, depth, V] float32
         if self.tree is None:
             tokens = logits.argmax(dim=-1).tolist()
             for row, i in enumerate(drafting):

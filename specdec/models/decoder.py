@@ -1,9 +1,13 @@
-"""Our decoder for the Llama family (SmolLM2, Llama 2/3) and the Qwen2 family (Qwen2, Qwen2.5).
+"""Our decoder for every supported family: Llama (SmolLM2, Llama 2/3.x), Qwen2/2.5, Qwen3, Mistral,
+Gemma 2, Gemma 3 (text) and Phi-3 (see :mod:`specdec.models.families`).
 
 Pre-norm transformer: RMSNorm, rotary position embeddings (RoPE, Su et al. 2021) from the config,
-grouped-query attention (Ainslie et al. 2023) through a paged KV cache, SwiGLU MLP (Shazeer 2020), tied
-or untied LM head. Qwen2 differs from Llama only in its q/k/v biases. q/k/v and gate/up are fused into
-one matrix each, so a layer is four matrix products.
+grouped-query attention (Ainslie et al. 2023) through a paged KV cache, gated MLP (SwiGLU or GeGLU,
+Shazeer 2020), tied or untied LM head. q/k/v and gate/up are fused into one matrix each, so a layer is
+four matrix products. The families differ only through :class:`ModelArchConfig` fields: biases, the
+norm style ((1 + w) for Gemma), per-head q/k norms (Qwen3, Gemma 3), norms after attention and MLP
+(Gemma), the embedding scale, the attention scale, soft-capping (Gemma 2), and per-layer sliding
+windows and RoPE (Mistral, Gemma).
 
 The forward takes a flattened variable-length batch (see :mod:`specdec.attention.base`) and returns
 logits only at the rows asked for.
@@ -11,6 +15,7 @@ logits only at the rows asked for.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -18,11 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.attention.base import AttentionBackend, AttentionMetadata
+from specdec.errors import UnknownModelError
 from specdec.models.config import ModelArchConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as transformers does."""
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as transformers does:
+    ``w * norm(x)``, normalised in float32 and cast back before the product (Llama's order)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -34,6 +41,36 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``(1 + w) * norm(x)``, all in float32, cast back at the end (the checkpoint
+    stores ``w``, initialised at zero)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(cfg: ModelArchConfig, size: int) -> RMSNorm:
+    """The family's RMSNorm over the last ``size`` features (``cfg.norm_style``)."""
+    return (GemmaRMSNorm if cfg.norm_style == "gemma" else RMSNorm)(size, cfg.rms_norm_eps)
+
+
+def _activation(name: str):
+    if name == "silu":
+        return F.silu
+    if name == "gelu_pytorch_tanh":
+        return functools.partial(F.gelu, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise UnknownModelError(f"hidden activation {name!r} is not supported")
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Tanh soft-capping ``cap * tanh(x / cap)`` (Gemma 2's attention and final logits)."""
+    return torch.tanh(x / cap) * cap
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -52,18 +89,44 @@ def rope_cos_sin(
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    """One decoder layer of any supported family.
+
+    Norm names: ``input_layernorm`` before attention, ``post_attention_layernorm`` before the MLP
+    (Llama's names; Gemma's checkpoint calls this one ``pre_feedforward_layernorm``). With
+    ``cfg.post_norms`` (Gemma) ``attn_output_norm`` and ``mlp_output_norm`` normalise the attention
+    and MLP outputs before their residual adds (Gemma's ``post_attention_layernorm`` and
+    ``post_feedforward_layernorm``). With ``cfg.qk_norm`` ``q_norm``/``k_norm`` normalise each query
+    and key head before RoPE.
+
+    Args:
+        cfg: the architecture.
+        layer: the layer's index (picks its attention window, ``cfg.layer_window(layer)``).
+    """
+
+    def __init__(self, cfg: ModelArchConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.scale = cfg.attention_scale
+        # Window and soft-cap reach the backend as keywords only when set, so a backend without them
+        # still serves the families that need neither.
+        self.attention_kwargs: dict[str, float | int] = {}
+        if cfg.layer_window(layer) is not None:
+            self.attention_kwargs["sliding_window"] = int(cfg.layer_window(layer))  # type: ignore[arg-type]
+        if cfg.attn_logit_softcapping is not None:
+            self.attention_kwargs["softcap"] = float(cfg.attn_logit_softcapping)
+        self.act = _activation(cfg.hidden_act)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.attn_output_norm = make_norm(cfg, cfg.hidden_size) if cfg.post_norms else None
+        self.mlp_output_norm = make_norm(cfg, cfg.hidden_size) if cfg.post_norms else None
 
     def forward(
         self,
@@ -75,19 +138,30 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         attention: AttentionBackend,
     ) -> torch.Tensor:
+        """``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``; ``cos``/``sin`` ``[T, 1, head_dim]``
+        (this layer's RoPE); the cache and backend as :meth:`DecoderLM.forward`."""
         num_tokens = hidden.shape[0]
         x = self.input_layernorm(hidden)
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # RoPE on the query and key heads in one go; values pass through.
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         qk = qk * cos + _rotate_half(qk) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        attn = attention.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
+        attn = attention.forward(q, k, v, k_cache, v_cache, metadata, self.scale, **self.attention_kwargs)
+        out = self.o_proj(attn.reshape(num_tokens, self.q_size))
+        if self.attn_output_norm is not None:
+            out = self.attn_output_norm(out)
+        hidden = hidden + out
         x = self.post_attention_layernorm(hidden)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(self.act(gate) * up)
+        if self.mlp_output_norm is not None:
+            out = self.mlp_output_norm(out)
+        return hidden + out
 
 
 class DecoderLM(nn.Module):
@@ -103,12 +177,16 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False)
+        # Gemma 3's local RoPE (sliding layers); None for the families with one RoPE.
+        local = None if cfg.local_inv_freq is None else torch.tensor(cfg.local_inv_freq, dtype=torch.float32)
+        self.register_buffer("local_inv_freq", local, persistent=False)
+        self.local_rope_layers = [cfg.uses_local_rope(i) for i in range(cfg.num_layers)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -161,11 +239,27 @@ class DecoderLM(nn.Module):
         final norm. ``attention`` is one backend for every layer, or one per layer (the compiled forward
         of :mod:`specdec.compilation` passes per-layer custom-op calls, with no caches or metadata)."""
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, hidden.dtype)
+        if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the activation dtype first
+            hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
+        rope = {False: self.rope(positions, hidden.dtype)}
+        if any(self.local_rope_layers):
+            rope[True] = rope_cos_sin(
+                positions, self.local_inv_freq, self.cfg.local_rope_attention_scaling, hidden.dtype
+            )
         per_layer = attention if isinstance(attention, Sequence) else [attention] * len(self.layers)
-        for layer, (k_cache, v_cache), attn in zip(self.layers, kv_caches, per_layer):
+        for layer, (k_cache, v_cache), attn, local in zip(
+            self.layers, kv_caches, per_layer, self.local_rope_layers
+        ):
+            cos, sin = rope[local]
             hidden = layer(hidden, cos, sin, k_cache, v_cache, metadata, attn)
         return hidden
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """LM head on final-norm hidden states ``[R, hidden_size]`` -> float32 ``[R, vocab_size]``,
+        soft-capped by ``cfg.final_logit_softcapping`` when set (Gemma 2)."""
+        out = self.lm_head(rows).float()
+        cap = self.cfg.final_logit_softcapping
+        return out if cap is None else softcap(out, cap)
 
     def final(
         self, hidden: torch.Tensor, logits_indices: torch.Tensor | None, all_hidden: bool = False
@@ -175,8 +269,8 @@ class DecoderLM(nn.Module):
         if all_hidden:
             hidden = self.norm(hidden)
             rows = hidden if logits_indices is None else hidden[logits_indices]
-            return self.lm_head(rows).float(), hidden
+            return self.logits(rows), hidden
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         hidden = self.norm(hidden)
-        return self.lm_head(hidden).float(), hidden
+        return self.logits(hidden), hidden

@@ -1,8 +1,11 @@
 """Load an HF-format directory (config.json + safetensors) into :class:`DecoderLM`.
 
-Safetensors only: weights are never unpickled. Checkpoint names follow transformers' Llama/Qwen2
-layout (``model.layers.N.self_attn.q_proj.weight``...); q/k/v and gate/up are concatenated into our
-fused matrices.
+Safetensors only: weights are never unpickled. Checkpoint names follow transformers' layout
+(``model.layers.N.self_attn.q_proj.weight``...); q/k/v and gate/up are concatenated into our fused
+matrices, except for Phi-3 whose checkpoints store them fused already (``qkv_proj``, ``gate_up_proj``).
+Gemma's norms are renamed onto our layer's (see :class:`~specdec.models.decoder.DecoderLayer`):
+``pre_feedforward_layernorm`` -> ``post_attention_layernorm`` (the norm before the MLP),
+``post_attention_layernorm`` -> ``attn_output_norm``, ``post_feedforward_layernorm`` -> ``mlp_output_norm``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from safetensors.torch import load_file
 from specdec.errors import CorruptModelError
 from specdec.models.config import ModelArchConfig
 from specdec.models.decoder import DecoderLM
+from specdec.models.families import FUSED_CHECKPOINT_TYPES
 from specdec.quantization.apply import quantize_model
 from specdec.quantization.config import QuantizationConfig
 
@@ -94,6 +98,8 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32)
+    if cfg.local_inv_freq is not None:
+        model.local_inv_freq = torch.tensor(cfg.local_inv_freq, dtype=torch.float32)
     if quantization is not None:
         quantize_model(model, quantization, dtype=dtype, device=device)
     return model.to(device=device, dtype=dtype).eval()
@@ -112,27 +118,37 @@ def _to_our_names(
             raise CorruptModelError(f"{where}: weight {name!r} is missing from the checkpoint") from None
 
     out: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight")}
+    fused = cfg.model_type in FUSED_CHECKPOINT_TYPES
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         o = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        out[o + "qkv_proj.weight"] = torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"])
-        if cfg.qkv_bias:
-            out[o + "qkv_proj.bias"] = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            if fused:
+                out[o + f"qkv_proj.{kind}"] = take(attn + f"qkv_proj.{kind}")
+            else:
+                out[o + f"qkv_proj.{kind}"] = torch.cat([take(attn + f"{n}_proj.{kind}") for n in "qkv"])
         out[o + "o_proj.weight"] = take(attn + "o_proj.weight")
         if cfg.o_bias:
             out[o + "o_proj.bias"] = take(attn + "o_proj.bias")
-        out[o + "gate_up_proj.weight"] = torch.cat(
-            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
-        )
-        out[o + "down_proj.weight"] = take(mlp + "down_proj.weight")
-        if cfg.mlp_bias:
-            out[o + "gate_up_proj.bias"] = torch.cat(
-                [take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")]
-            )
-            out[o + "down_proj.bias"] = take(mlp + "down_proj.bias")
+        for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+            if fused:
+                out[o + f"gate_up_proj.{kind}"] = take(mlp + f"gate_up_proj.{kind}")
+            else:
+                out[o + f"gate_up_proj.{kind}"] = torch.cat(
+                    [take(mlp + f"gate_proj.{kind}"), take(mlp + f"up_proj.{kind}")]
+                )
+            out[o + f"down_proj.{kind}"] = take(mlp + f"down_proj.{kind}")
         out[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        out[o + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+        if cfg.post_norms:  # Gemma's names (see the module docstring)
+            out[o + "post_attention_layernorm.weight"] = take(p + "pre_feedforward_layernorm.weight")
+            out[o + "attn_output_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            out[o + "mlp_output_norm.weight"] = take(p + "post_feedforward_layernorm.weight")
+        else:
+            out[o + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+        if cfg.qk_norm:
+            out[o + "q_norm.weight"] = take(attn + "q_norm.weight")
+            out[o + "k_norm.weight"] = take(attn + "k_norm.weight")
     out["norm.weight"] = take("model.norm.weight")
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -24,6 +24,15 @@ from specdec.quantization.linear import QuantizedLinear
 
 #: The linear layers of each decoder layer that are quantized.
 LAYER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+#: The norms a decoder layer may hold (shared, never quantized).
+LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "q_norm",
+    "k_norm",
+    "attn_output_norm",
+    "mlp_output_norm",
+)
 
 
 def dense_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,8 +130,9 @@ def quantized_copy(
     out.embed_tokens = shared(model.embed_tokens)  # type: ignore[assignment]
     out.norm = shared(model.norm)  # type: ignore[assignment]
     for src, dst in zip(model.layers, out.layers):
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            setattr(dst, name, shared(getattr(src, name)))
+        for name in LAYER_NORMS:  # the family's norms (q/k and output norms only where it has them)
+            if getattr(src, name, None) is not None:
+                setattr(dst, name, shared(getattr(src, name)))
         for name in LAYER_LINEARS:
             setattr(dst, name, _quantized(getattr(src, name), config, dtype, device))
     if config.lm_head:
@@ -140,6 +150,7 @@ def quantized_copy(
             head.weight = out.embed_tokens.weight
         out.lm_head = head
     out.inv_freq = model.inv_freq
+    out.local_inv_freq = model.local_inv_freq
     left = [n for n, t in [*out.named_parameters(), *out.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"quantized_copy left tensors unset: {left[:5]}")

@@ -66,11 +66,12 @@ def _batch(specs, heads, kv_heads, head_dim, block_size, dtype, seed):
     return query, key, value, k_cache, v_cache, metadata
 
 
-def _run(backend, query, key, value, k_cache, v_cache, metadata, dtype=None):
+def _run(backend, query, key, value, k_cache, v_cache, metadata, dtype=None, **window_softcap):
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     return backend.forward(
-        cast(query), cast(key), cast(value), cast(k_cache).clone(), cast(v_cache).clone(), metadata(), 0.125
-    )
+        cast(query), cast(key), cast(value), cast(k_cache).clone(), cast(v_cache).clone(), metadata(), 0.125,
+        **window_softcap,
+    )  # fmt: skip
 
 
 _request = st.tuples(
@@ -88,15 +89,19 @@ _request = st.tuples(
     block_size=st.sampled_from([1, 4, 16]),
     head_dim=st.sampled_from([8, 12, 64]),
     seed=st.integers(0, 2**16),
+    window=st.sampled_from([None, None, 1, 3, 8, 40]),
+    softcap=st.sampled_from([None, None, 0.5]),
 )
-def test_float32_equals_reference(requests, group, block_size, head_dim, seed):
+def test_float32_equals_reference(requests, group, block_size, head_dim, seed, window, softcap):
+    """Also with a sliding window (positions from tree depths inside trees) and soft-capped scores."""
     specs = []
     for kind, context, n in requests:
         q = {"decode": 1, "chain": n, "tree": n, "prefill": 33 + n}[kind]
         specs.append((q, context + q, kind == "tree"))
     inputs = _batch(specs, 2 * group, 2, head_dim, block_size, torch.float32, seed)
-    want = _run(ReferenceAttention(), *inputs)
-    got = _run(CpuAttention(), *inputs)
+    extra = {k: v for k, v in (("sliding_window", window), ("softcap", softcap)) if v is not None}
+    want = _run(ReferenceAttention(), *inputs, **extra)
+    got = _run(CpuAttention(), *inputs, **extra)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -153,3 +153,34 @@ def test_dispatcher_uses_the_reference_off_cuda(monkeypatch):
     if torch.cuda.is_available():
         cuda_args = [t.cuda() for t in args]
         torch.testing.assert_close(paged_attention(*cuda_args).cpu(), ref)
+
+
+@pytest.mark.parametrize(("window", "softcap", "splits"), [(5, 0.0, 1), (20, 1.5, 2), (0, 1.5, 1)])
+def test_window_and_softcap_match_the_references(device, window, softcap, splits):
+    """A sliding window (shorter than most sequences: key tiles before it are skipped) and soft-capped
+    scores: the kernel, its reference and the torch backend agree; the window and the cap change the
+    output; a tree mask with a window is refused."""
+    heads, kv_heads, head_dim = 6, 2, 64
+    # Finite poison: the torch backend multiplies zero probabilities by every cache row it gathers.
+    b = make_paged_batch(SEQS, heads, kv_heads, head_dim, 16, torch.float32, device, seed=11, poison=3e3)
+    scale = head_dim**-0.5
+    args = (b.query, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_table, scale)
+    ref = paged_attention_ref(*args, None, sliding_window=window, softcap=softcap)
+    assert not ref.isnan().any()
+    assert (ref - paged_attention_ref(*args)).abs().max() > 1e-3  # the window / cap matter here
+    out = torch.full_like(b.query, float("nan"))
+    paged_attention_triton(
+        *args, None, sliding_window=window, softcap=softcap, max_query_len=17, num_splits=splits, out=out
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # The torch backend (writing the new K/V into the cache, then attending) agrees with the reference.
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    got = ReferenceAttention().forward(
+        b.query, b.key, b.value, kc, vc, b.metadata(), scale,
+        sliding_window=window or None, softcap=softcap or None,
+    )  # fmt: skip
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if window:
+        tree = pack_new_token_masks(_masks(True, seed=1), b.query_lens, b.query.device)
+        with pytest.raises(ValueError, match="sliding window"):
+            paged_attention_triton(*args, tree, sliding_window=window)
