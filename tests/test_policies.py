@@ -462,8 +462,8 @@ BATCH = 48
 CALLS = 200  # 9,600 samples of the first two tokens
 
 
-def _counts(llm: LLM, calls: int) -> np.ndarray:
-    return first_two_token_counts(llm, PROMPT, V, BATCH, calls)
+def _counts(llm: LLM, calls: int, seed_base: int = 0) -> np.ndarray:
+    return first_two_token_counts(llm, PROMPT, V, BATCH, calls, seed_base)
 
 
 def _dist_llm(setup) -> LLM:
@@ -501,7 +501,10 @@ def test_sampling_under_the_adaptive_policies_matches_the_target(setup, policy, 
         max_num_batched_tokens=512,
         speculative_config=_spec(setup, "draft_model", policy, k=2, policy_kwargs=kwargs),
     )  # fmt: skip
-    counts = _counts(llm, CALLS)
+    # A seeded half of its own (seed_base): with the varying-depth test's half (seed_base 0) the learning
+    # policy's sample sat at p = 5e-5 .. 1e-3 run after run, a fixed draw: with five other engine seeds
+    # and seeded halves p was 0.15 .. 0.98, and with 48,000 samples (two seeds) 0.28 and 0.36 (issue 19).
+    counts = _counts(llm, CALLS, seed_base=10**6)
     res = goodness_of_fit(setup["exact"], counts)
     print(f"[gof] draft_model, {policy} {kwargs}: {res.describe()}")
     assert res.pvalue >= ALPHA, res.describe()
