@@ -5,22 +5,24 @@ Each method runs every conversation turn by turn (greedy, batch 1, conversations
 that with sharing on, a conversation can draft from the earlier ones); every turn's output is checked
 against plain decoding's (exactness; a mismatch is reported). Per method: tokens/s, speedup over plain,
 τ overall, per kind and per turn, and for the hybrid its members' counts and the oracle (the best member
-per step in hindsight). Skipped (exit 0, a message) when the shared HumanEval file is absent.
+per step in hindsight). Skipped (an empty result and a message) when the shared HumanEval file is
+absent.
 
-    python -m experiments.bench_multiturn --limit 3 --turns 3 --max-tokens 96 --out multiturn.json
+    python -m experiments.bench_multiturn limit=3 turns=3 max_tokens=96 out=multiturn.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from experiments.harness import HarnessConfig, benchmark, require_positive, require_subset
 from experiments.multiturn import DEFAULT_HUMANEVAL, Conversation, load_multiturn, next_messages
+from specdec.errors import ConfigError
 
 K = 4
 METHODS: dict[str, dict[str, Any] | None] = {
@@ -89,34 +91,46 @@ def run_method(
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--humaneval", default=DEFAULT_HUMANEVAL)
-    parser.add_argument("--limit", type=int, default=3, help="HumanEval problems (conversations per kind)")
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, plain first")
-    parser.add_argument("--out", default=None, help="write the result as JSON")
-    args = parser.parse_args(argv)
-    if not Path(args.humaneval).exists():
-        print(f"skipped: no HumanEval file at {args.humaneval}", file=sys.stderr)
-        return 0
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or methods[:1] != ["plain"]:
-        raise SystemExit(f"methods must start with plain and be among {list(METHODS)}; got {methods}")
-    convs = load_multiturn(args.humaneval, args.limit, args.turns)
-    results = {m: run_method(args.model, METHODS[m], convs, args.max_tokens) for m in methods}
+@dataclass
+class BenchMultiturnConfig(HarnessConfig):
+    """Options of ``python -m experiments.bench_multiturn``.
+
+    Attributes:
+        model: the target (a zoo name or an HF-format folder).
+        humaneval: HumanEval's ``.jsonl.gz`` (the conversations are built from its problems).
+        limit: HumanEval problems used (conversations per kind).
+        turns: turns per conversation.
+        max_tokens: new tokens per turn at most.
+        methods: of :data:`METHODS`, ``plain`` first (the speedups' and exactness's baseline).
+    """
+
+    model: str = "smollm2-135m-instruct"
+    humaneval: str = DEFAULT_HUMANEVAL
+    limit: int = 3
+    turns: int = 3
+    max_tokens: int = 96
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "limit", "turns", "max_tokens")
+        require_subset("methods", self.methods, METHODS)
+        if self.methods[:1] != ["plain"]:
+            raise ConfigError(f"methods must start with plain (the baseline), got {self.methods}")
+
+
+def run(cfg: BenchMultiturnConfig) -> dict[str, Any]:
+    """Every method of ``cfg.methods`` on the conversations; per method its figures (outputs left out)."""
+    if not Path(cfg.humaneval).exists():
+        print(f"skipped: no HumanEval file at {cfg.humaneval}", file=sys.stderr)
+        return {}
+    convs = load_multiturn(cfg.humaneval, cfg.limit, cfg.turns)
+    results = {m: run_method(cfg.model, METHODS[m], convs, cfg.max_tokens) for m in cfg.methods}
     base = results["plain"]
     for r in results.values():
         r["exact"] = r["outputs"] == base["outputs"]
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
-    print(format_table(results))
-    if args.out:
-        slim = {m: {k: v for k, v in r.items() if k != "outputs"} for m, r in results.items()}
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": slim}, indent=1))
-    return 0
+    return {m: {k: v for k, v in r.items() if k != "outputs"} for m, r in results.items()}
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
@@ -125,6 +139,10 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
     def f(x: float | None, d: int = 2) -> str:
         return "-" if x is None else f"{x:.{d}f}"
+
+    results = {m: r for m, r in results.items() if isinstance(r, dict) and "per_turn" in r}
+    if not results:
+        return "skipped (no HumanEval file)"
 
     kinds = sorted({k for r in results.values() for k in r if k.startswith("tau/")})
     lines = ["method          tok/s  speedup  tau   " + "  ".join(kinds) + "  exact"]
@@ -154,5 +172,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: ``main()``: Hydra's command line; ``main(["limit=1"])``: compose, run, return the result.
+main = benchmark("bench_multiturn", BenchMultiturnConfig, run, format_table)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,26 +1,28 @@
 """Drafting cost of model-free drafters at long context: seconds to index a prompt, then per step.
 
-No model: a request of ``--context`` tokens (code-like text: HumanEval prompts' characters as token ids,
-repeated with edits, or random ids with ``--random``) is indexed once (the prefill's share), then
-``--steps`` steps each commit ``--accept`` + 1 tokens and draft k = 4. Compare the per-step figures with
-a plain decoding step of the target at that context (e.g. ``experiments.bench_step``).
+No model: a request of ``context`` tokens (code-like ids: 64 random lines, copied with edits, or
+random ids with ``random_ids=true``, the trie's worst case) is indexed once (the prefill's share), then
+``steps`` steps each commit ``accept`` + 1 tokens and draft k = 4. Compare the per-step figures with a
+plain decoding step of the target at that context (e.g. ``experiments.bench_step``).
 
-    python -m experiments.bench_suffix_cost --context 32768 --steps 200
+    python -m experiments.bench_suffix_cost context=32768 steps=200
 """
 
 from __future__ import annotations
 
-import argparse
 import random
-import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from experiments.harness import HarnessConfig, benchmark, require_positive
 from sampling.params import SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterContext, DraftInput
 from specdec.drafters.registry import get_drafter
+from specdec.errors import ConfigError
 from specdec.request import Request
 
 
@@ -60,32 +62,58 @@ def measure(method: str, tokens: list[int], steps: int, accept: int, **fields) -
     return {"index_s": index_s, "step_ms": step_s * 1e3, "nodes": nodes}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument(
-        "--accept", type=int, default=2, help="accepted drafts per step (tokens committed - 1)"
-    )
-    parser.add_argument(
-        "--random", action="store_true", help="random ids (no repeats: the trie's worst case)"
-    )
-    args = parser.parse_args(argv)
-    tokens = tokens_for(args.context, args.random)
-    for method, fields in (
-        ("ngram", {}),
-        ("suffix", {}),
-        ("suffix", {"suffix_max_match": 8}),
-        ("hybrid", {}),
-    ):
-        r = measure(method, tokens, args.steps, args.accept, **fields)
-        label = method + "".join(f" {k}={v}" for k, v in fields.items())
-        print(
-            f"{label:28s} index {r['index_s']:.2f} s   per step {r['step_ms']:.3f} ms   "
-            f"trie nodes {r['nodes']:,}"
-        )
-    return 0
+@dataclass
+class BenchSuffixCostConfig(HarnessConfig):
+    """Options of ``python -m experiments.bench_suffix_cost``.
 
+    Attributes:
+        context: tokens of the request indexed before the steps.
+        steps: draft steps timed.
+        accept: accepted drafts per step (tokens committed per step - 1).
+        random_ids: random ids (no repeats: the trie's worst case) instead of copied lines.
+    """
+
+    context: int = 32768
+    steps: int = 200
+    accept: int = 2
+    random_ids: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        require_positive(self, "context", "steps")
+        if self.accept < 0:
+            raise ConfigError(f"accept must be >= 0, got {self.accept}")
+
+
+#: The drafters and settings compared.
+VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("ngram", {}),
+    ("suffix", {}),
+    ("suffix", {"suffix_max_match": 8}),
+    ("hybrid", {}),
+)
+
+
+def run(cfg: BenchSuffixCostConfig) -> dict[str, Any]:
+    """Per variant (``method key=value``): prompt indexing seconds, ms per step, the trie's nodes."""
+    tokens = tokens_for(cfg.context, cfg.random_ids, cfg.seed)
+    out: dict[str, Any] = {}
+    for method, fields in VARIANTS:
+        label = method + "".join(f" {k}={v}" for k, v in fields.items())
+        out[label] = measure(method, tokens, cfg.steps, cfg.accept, **fields)
+    return out
+
+
+def format_table(result: dict[str, Any]) -> str:
+    return "\n".join(
+        f"{label:28s} index {r['index_s']:.2f} s   per step {r['step_ms']:.3f} ms   trie nodes {r['nodes']:,}"
+        for label, r in result.items()
+        if isinstance(r, dict) and "step_ms" in r
+    )
+
+
+#: ``main()``: Hydra's command line; ``main(["context=4096"])``: compose, run, return the result.
+main = benchmark("bench_suffix_cost", BenchSuffixCostConfig, run, format_table)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

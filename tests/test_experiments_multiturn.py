@@ -50,3 +50,30 @@ def test_table_lists_tau_per_turn_and_the_oracle():
     table = format_table(results)
     assert "agent/turn1, agent/turn2" in table and "1.50 2.50" in table
     assert "oracle tau 2.50" in table and "alone (hindsight) tau 2.25" in table
+
+
+def test_benchmarks_take_typed_configs_and_run_without_a_model(tmp_path):
+    """Both scripts are harness benchmarks (Hydra overrides, ``ConfigError`` naming the key); the cost
+    benchmark runs in-process on a short context: every drafter indexed the prompt and drafted."""
+    from experiments import bench_multiturn, bench_suffix_cost
+    from specdec.errors import ConfigError
+
+    cfg = bench_multiturn.main.config(["limit=1", "turns=2"])
+    assert (cfg.limit, cfg.turns, cfg.methods[0]) == (1, 2, "plain")
+    with pytest.raises(ConfigError, match="methods must start with plain"):
+        bench_multiturn.main.config(["methods=[ngram,plain]"])
+    with pytest.raises(ConfigError, match="methods"):
+        bench_multiturn.main.config(["methods=[plain,eagle9]"])
+    with pytest.raises(ConfigError, match="turns must be >= 1"):
+        bench_multiturn.main.config(["turns=0"])
+    skipped = bench_multiturn.main([f"humaneval={tmp_path / 'absent.jsonl.gz'}"])
+    assert {k for k in skipped if k != "run_info"} == set()  # a missing file: nothing run
+    with pytest.raises(ConfigError, match="accept must be >= 0"):
+        bench_suffix_cost.main.config(["accept=-1"])
+    result = bench_suffix_cost.main(["context=512", "steps=5"])
+    rows = {k: v for k, v in result.items() if k != "run_info"}
+    assert set(rows) == {"ngram", "suffix", "suffix suffix_max_match=8", "hybrid"}
+    assert (
+        rows["suffix"]["nodes"] > 512 and rows["suffix suffix_max_match=8"]["nodes"] < rows["suffix"]["nodes"]
+    )
+    assert all(r["step_ms"] > 0 for r in rows.values())

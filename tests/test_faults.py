@@ -560,9 +560,9 @@ def test_negative_control_cutting_drafts_to_the_budget_changes_seeded_outputs(
         plan = new_rule(self, req, num_computed, self.config.max_num_batched_tokens)
         if plan is None:
             return None
-        n, slots, depth = plan
+        n, slots, depth, forced = plan
         slots = max(0, min(slots, budget - n))
-        return min(n, budget), slots, min(depth, slots)
+        return min(n, budget), slots, min(depth, slots), min(forced, slots)
 
     monkeypatch.setattr(Scheduler, "_plan", cut_to_budget)
     alone, together = _alone_and_together(tiny_text_model_dirs, "ngram", budget=8)

@@ -359,7 +359,7 @@ def test_negative_control_seeded_outputs_need_drafts_after_a_recompute(tiny_text
         plan = new_rule(self, req, num_computed, budget)
         if plan is None or req.num_tokens - num_computed == 1:
             return plan
-        return plan[0], 0, 0
+        return plan[0], 0, 0, 0
 
     monkeypatch.setattr(Scheduler, "_plan", old_rule)
     loaded = make_llm(tiny_text_model_dirs, "ngram", LOADED_BLOCKS, ample.engine.grammar_backend)

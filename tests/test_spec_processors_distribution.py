@@ -216,7 +216,7 @@ def test_sampler_stack_is_exact_under_speculation_in_one_mixed_batch(setup, meth
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
-def stale_row_group(req, draft_token_ids, num_rows, vocab_size):
+def stale_row_group(req, draft_token_ids, num_rows, vocab_size, bitmask=None):
     """A broken engine: verification rows ignore the drafts before them (stale penalties)."""
     return RowGroup(req.sampling_params, req.token_ids, req.num_prompt_tokens, req.stop_ids, [], num_rows)
 
