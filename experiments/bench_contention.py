@@ -20,7 +20,10 @@ from typing import Any
 
 from experiments.harness import HarnessConfig, benchmark, require_choice, require_positive, require_subset
 
-PROMPT = "Write a Python function that checks whether a string is a palindrome, then write it again with type hints."
+PROMPT = (
+    "Write a Python function that checks whether a string is a palindrome, "
+    "then write it again with type hints."
+)
 COMPETITOR = (
     "import time, torch\n"
     "torch.set_num_threads({threads})\n"
@@ -58,10 +61,10 @@ class BenchContentionConfig(HarnessConfig):
 
 
 def run(cfg: BenchContentionConfig) -> dict[str, Any]:
+    import torch
+
     from sampling.params import SamplingParams
     from specdec.llm import LLM, chat_token_ids
-
-    import torch
 
     result: dict[str, Any] = {"model": cfg.model, "dtype": cfg.dtype}
     threads_at_start = torch.get_num_threads()  # every row starts from it (an auto row may lower it)
@@ -72,10 +75,12 @@ def run(cfg: BenchContentionConfig) -> dict[str, Any]:
             threads = None if setting == "none" else "auto"
             torch.set_num_threads(threads_at_start)
             llm = LLM(cfg.model, dtype=cfg.dtype, device="cpu", cpu_threads=threads, speculative_config=spec)
-            prompt = {"prompt_token_ids": chat_token_ids(llm.tokenizer, [{"role": "user", "content": PROMPT}])}
+            prompt = {
+                "prompt_token_ids": chat_token_ids(llm.tokenizer, [{"role": "user", "content": PROMPT}])
+            }
             llm.generate([prompt], params)  # warm-up
 
-            def timed() -> float:
+            def timed(llm: LLM = llm, prompt: dict = prompt) -> float:
                 t0 = time.perf_counter()
                 llm.generate([prompt], params)
                 return cfg.max_tokens / (time.perf_counter() - t0)

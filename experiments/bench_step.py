@@ -105,9 +105,13 @@ def step_rows(llm: Any, cfg: BenchStepConfig) -> dict[str, float]:
             "plain": Segment(blocks, cfg.context, ids[cfg.context : cfg.context + 1], 1),
             "chain": Segment(blocks, cfg.context, ids[cfg.context : cfg.context + cfg.k + 1], cfg.k + 1),
             "tree": Segment(
-                blocks, cfg.context, ids[cfg.context : cfg.context + cfg.tree_nodes], cfg.tree_nodes,
-                positions=positions, mask=mask,
-            ),  # fmt: skip
+                blocks,
+                cfg.context,
+                ids[cfg.context : cfg.context + cfg.tree_nodes],
+                cfg.tree_nodes,
+                positions=positions,
+                mask=mask,
+            ),
         }
         inputs = {name: build_inputs([seg], block_size, runner.device) for name, seg in segments.items()}
         rows = {
@@ -121,10 +125,8 @@ def step_rows(llm: Any, cfg: BenchStepConfig) -> dict[str, float]:
 
 def ngram_row(llm_plain: Any, llm_ngram: Any, cfg: BenchStepConfig) -> dict[str, float]:
     """Plain vs n-gram tokens/s and τ on a prompt that contains its own greedy continuation."""
-    from sampling.params import SamplingParams
-
     from experiments.harness import spec_stats_fields
-
+    from sampling.params import SamplingParams
     from specdec.llm import chat_token_ids
 
     question = chat_token_ids(llm_plain.tokenizer, [{"role": "user", "content": QUESTION}])

@@ -80,6 +80,8 @@ def _generate(args: argparse.Namespace) -> int:
             spec["max_forced_drafts"] = args.max_forced_drafts
         if args.suffix_share_across_requests:
             spec["suffix_share_across_requests"] = True
+    if args.suffix_share_across_requests and args.drafter not in ("suffix", "hybrid"):
+        raise SystemExit("--suffix-share-across-requests applies to --drafter suffix or hybrid")
     if args.max_forced_drafts is not None and not args.grammar_forced_drafts:
         raise SystemExit("--max-forced-drafts needs --grammar-forced-drafts")
     if args.grammar_forced_drafts and args.drafter is None:

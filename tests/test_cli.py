@@ -85,6 +85,8 @@ def test_grammar_forced_drafts_needs_a_drafter():
         _generate(parse("--grammar-forced-drafts", "--json-schema", '{"type": "object"}'))
     args = parse("--grammar-forced-drafts", "--drafter", "ngram")
     assert args.grammar_forced_drafts and args.drafter == "ngram"
+    with pytest.raises(SystemExit, match="--suffix-share-across-requests applies to --drafter suffix or"):
+        _generate(parse("--suffix-share-across-requests", "--json-schema", "{}"))
     with pytest.raises(SystemExit, match="--max-forced-drafts needs --grammar-forced-drafts"):
         _generate(parse("--max-forced-drafts", "8", "--drafter", "ngram", "--json-schema", "{}"))
     assert (

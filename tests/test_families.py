@@ -22,7 +22,7 @@ from sampling.params import SamplingParams
 from specdec import LLM
 from specdec.attention.base import AttentionMetadata
 from specdec.attention.reference import ReferenceAttention
-from specdec.errors import UnknownModelError
+from specdec.errors import CorruptModelError, UnknownModelError
 from specdec.memory import estimate, weight_bytes
 from specdec.models.config import SUPPORTED_MODEL_TYPES, ModelArchConfig
 from specdec.models.loader import load_model
@@ -408,3 +408,27 @@ def test_longrope_is_refused_by_name(tmp_path):
     ).save_pretrained(tmp_path)
     with pytest.raises(UnknownModelError, match="longrope"):
         ModelArchConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "rope", [{"rope_type": "yarn"}, {"type": "su"}, {"rope_type": "dynamic", "factor": "x"}], ids=str
+)
+def test_malformed_rope_parameters_are_a_specdec_error(tmp_path, rope):
+    """A hand-edited config.json with RoPE parameters transformers cannot use: a ``SpecdecError``
+    naming the folder (corrupt) or the RoPE type (unsupported), not transformers' own exception."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from specdec.errors import SpecdecError
+
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2).save_pretrained(tmp_path)  # fmt: skip
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = rope
+    path.write_text(json.dumps(config))
+    with pytest.raises(SpecdecError, match=rf"{tmp_path.name}|rope_type") as info:
+        ModelArchConfig.from_pretrained(tmp_path)
+    assert isinstance(info.value, (CorruptModelError, UnknownModelError))

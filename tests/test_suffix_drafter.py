@@ -65,9 +65,19 @@ sequences = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=12), min_s
 @settings(max_examples=60, deadline=None)
 @given(seqs=sequences, max_nodes=st.integers(0, 80), touches=st.lists(st.integers(0, 11), max_size=6))
 def test_cache_stays_within_its_node_budget_and_evicts_least_recently_used(seqs, max_nodes, touches):
-    """After every operation the trie has at most ``max_nodes`` nodes, equals a trie built afresh from
-    the sequences kept, and those are the most recently used ones that fit."""
+    """At every moment (inserts included) the trie has at most ``max_nodes`` nodes; after every
+    operation it equals a trie built afresh from the sequences kept, and those are the most recently
+    used ones that fit; a sequence too large on its own evicts nothing."""
     cache = SuffixCache(4, max_nodes)
+    peak = [0]
+    extend = cache.trie.extend
+
+    def tracked(*args, **kwargs):
+        out = extend(*args, **kwargs)
+        peak[0] = max(peak[0], cache.trie.num_nodes)
+        return out
+
+    cache.trie.extend = tracked
     order: list[int] = []  # ids, least recently used first (the model of the LRU)
     for seq in seqs:
         for t in touches:
@@ -75,8 +85,9 @@ def test_cache_stays_within_its_node_budget_and_evicts_least_recently_used(seqs,
                 cache.touch(t)
                 order.remove(t)
                 order.append(t)
+        before = list(cache.entries)
         got = cache.add(seq)
-        assert cache.num_nodes <= max_nodes
+        assert cache.num_nodes <= max_nodes and peak[0] <= max_nodes
         fresh = SuffixTrie(4)
         for kept in cache.entries.values():
             fresh.insert(kept)
@@ -90,6 +101,7 @@ def test_cache_stays_within_its_node_budget_and_evicts_least_recently_used(seqs,
             single = SuffixTrie(4)
             single.insert(seq)
             assert max_nodes == 0 or single.num_nodes > max_nodes
+            assert list(cache.entries) == before  # refused without evicting anything
 
 
 def test_drafting_from_the_cache_touches_the_source():
@@ -194,8 +206,10 @@ def test_suffix_fields_belong_to_suffix_and_hybrid_and_trees_are_dynamic():
     for bad, message in (
         ([], "non-empty list"),
         (["suffix", "suffix"], "distinct"),
-        (["nope"], "must be one of"),
+        (["nope"], "hybrid_members: .*must be one of"),
         (["eagle"], "needs a model"),
+        (["quantized_self", "ngram"], "'quantized_self' needs a model"),  # registered with none to load
+        (["ngram", ["suffix"]], r"must list drafter names \(str\), got \['suffix'\]"),
         (["hybrid"], "cannot contain"),
     ):
         with pytest.raises(ConfigError, match=message):

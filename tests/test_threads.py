@@ -43,7 +43,16 @@ def fake_proc(monkeypatch):
 
 def test_threads_for_load(fake_proc, restore_threads):
     policy = ThreadPolicy("auto", max_threads=2)
-    assert [policy.threads_for(x) for x in (0.0, 0.4, 0.6, 1.0, 1.4, 1.6, 2.0, 3.0)] == [2, 2, 1, 1, 1, 1, 1, 1]
+    assert [policy.threads_for(x) for x in (0.0, 0.4, 0.6, 1.0, 1.4, 1.6, 2.0, 3.0)] == [
+        2,
+        2,
+        1,
+        1,
+        1,
+        1,
+        1,
+        1,
+    ]
     capped = ThreadPolicy("auto", max_threads=1)
     assert capped.threads_for(0.0) == 1
 

@@ -39,25 +39,39 @@ DEFAULT_MEMBERS = ("suffix", "ngram")
 DECAY = 0.7
 
 
+#: Registered with no ``model`` to load, yet drafting with a model of their own (the target's weights
+#: quantized, with its own KV cache): not a hybrid member.
+MODEL_DRAFTERS = ("quantized_self",)
+
+
 def check_hybrid_config(config: SpeculativeConfig) -> None:
     """Validate ``hybrid_members`` and the members' own fields once, at config construction.
 
     Raises:
         ConfigError: ``hybrid_members`` not a non-empty list of distinct registered drafter names, a
-            member that needs a model or features (a learned drafter: not supported yet) or is "hybrid"
+            member that drafts with a model (a draft model, the quantized target, a learned head: not
+            supported yet) or is "hybrid"
             itself, a member that does not draft the configured ``tree``; the suffix fields' errors.
     """
     members = config.hybrid_members
     if members is not None:
         if isinstance(members, str) or not isinstance(members, (list, tuple)) or not members:
             raise ConfigError(f"hybrid_members must be a non-empty list of drafter names, got {members!r}")
+        bad = [m for m in members if not isinstance(m, str)]
+        if bad:
+            raise ConfigError(
+                f"hybrid_members must list drafter names (str), got {bad[0]!r} in {list(members)}"
+            )
         if len(set(members)) != len(members):
             raise ConfigError(f"hybrid_members must be distinct, got {list(members)}")
         for name in members:
             if name == "hybrid":
                 raise ConfigError("hybrid_members cannot contain 'hybrid'")
-            entry = get_drafter(name)  # ConfigError naming the registered ones
-            if entry.model != "none":
+            try:
+                entry = get_drafter(name)
+            except ConfigError as e:
+                raise ConfigError(f"hybrid_members: {e}") from None
+            if entry.model != "none" or name in MODEL_DRAFTERS:
                 raise ConfigError(
                     f"hybrid_members: {name!r} needs a model; the hybrid takes model-free members only "
                     f"(e.g. {list(DEFAULT_MEMBERS)})"

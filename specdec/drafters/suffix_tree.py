@@ -14,8 +14,8 @@ needs simple and incremental:
   (:meth:`SuffixTrie.remove`), so the global cache (:class:`SuffixCache`) evicts its least recently used
   sequences to stay within a node budget.
 
-Memory is ``O(tokens × max_depth)`` nodes in the worst case (text that never repeats), about 100-150
-bytes each in CPython; repeated text shares nodes.
+Memory is ``O(tokens × max_depth)`` nodes in the worst case (text that never repeats), about 270
+bytes each in CPython 3.11 (tracemalloc); repeated text shares nodes.
 """
 
 from __future__ import annotations
@@ -212,13 +212,25 @@ def draft_from(
     return Draft(tokens, parents, score, match_length)
 
 
+def standalone_nodes(tokens: Sequence[int], max_depth: int, limit: int) -> int | None:
+    """Nodes a trie of ``tokens`` alone would hold (its distinct substrings of at most ``max_depth``
+    tokens), or None as soon as they exceed ``limit`` (so at most ``limit`` nodes are built)."""
+    trie = SuffixTrie(max_depth)
+    active = trie.start()
+    for t in tokens:
+        active = trie.extend(active, t)
+        if trie.num_nodes > limit:
+            return None
+    return trie.num_nodes
+
+
 class SuffixCache:
     """The global suffix trie over earlier requests' prompts and outputs: bounded, LRU-evicted.
 
     Each cached sequence has an id; the trie's nodes remember the latest sequence indexed through them,
-    and a draft taken from the cache touches that sequence (:meth:`touch`). Adding a sequence evicts the
-    least recently used ones (added or touched longest ago) until the trie has at most ``max_nodes``
-    nodes; a sequence too large for the budget on its own is not kept.
+    and a draft taken from the cache touches that sequence (:meth:`touch`). Adding a sequence first
+    evicts the least recently used ones (added or touched longest ago) until it fits within
+    ``max_nodes`` nodes; a sequence too large for the budget on its own is not kept, and evicts nothing.
 
     Args:
         max_depth: the trie's depth (see :class:`SuffixTrie`).
@@ -244,17 +256,24 @@ class SuffixCache:
         return sum(len(t) for t in self.entries.values())
 
     def add(self, tokens: Sequence[int]) -> int | None:
-        """Cache ``tokens`` (evicting LRU sequences to stay within budget); its id, or None when it does
-        not fit at all."""
+        """Cache ``tokens``; its id, or None when it does not fit the budget on its own (then nothing is
+        evicted). Before inserting, least recently used sequences are evicted until the trie plus the
+        nodes ``tokens`` would need alone (an upper bound of what it adds) fit ``max_nodes``, so the trie
+        never exceeds its budget, not even during the insert."""
         if self.max_nodes <= 0 or not tokens:
             return None
-        seq = next(self._ids)
         stored = [int(t) for t in tokens]
+        need = len(stored) * self.trie.max_depth  # a bound, exact when nothing repeats
+        if self.trie.num_nodes + need > self.max_nodes:
+            need = standalone_nodes(stored, self.trie.max_depth, self.max_nodes)
+            if need is None:
+                return None
+        while self.entries and self.trie.num_nodes + need > self.max_nodes:
+            self.evict()
+        seq = next(self._ids)
         self.entries[seq] = stored
         self.trie.insert(stored, seq)
-        while self.trie.num_nodes > self.max_nodes and self.entries:
-            self.evict()
-        return seq if seq in self.entries else None
+        return seq
 
     def touch(self, seq: int) -> None:
         """Mark ``seq`` as just used (ignored if it was evicted)."""

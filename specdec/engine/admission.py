@@ -93,8 +93,9 @@ def validate_request(
     need = cdiv(total - 1 + num_draft_slots, block_size)
     if need > num_kv_blocks:
         raise KVCacheExhaustedError(
-            f"this request can need {need} KV blocks ({total - 1} tokens) but the pool has only "
-            f"{num_kv_blocks}; raise num_kv_blocks or lower max_tokens"
+            f"this request can need {need} KV blocks ({total - 1} tokens"
+            + (f" and {num_draft_slots} draft slots" if num_draft_slots else "")
+            + f") but the pool has only {num_kv_blocks}; raise num_kv_blocks or lower max_tokens"
         )
 
 

@@ -135,7 +135,9 @@ class LLMEngine:
         self.verifier: Verifier = SpeculativeVerifier()
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
         #: KV slots a drafting request reserves per step (k for chains, the tree size for trees).
-        self.num_draft_slots = spec.num_draft_slots + spec.num_forced_draft_slots if spec else 0
+        self.num_draft_slots = spec.num_draft_slots if spec else 0
+        #: Draft slots a constrained request reserves beyond ``num_draft_slots`` (grammar-aware drafting).
+        self.num_forced_draft_slots = spec.num_forced_draft_slots if spec else 0
         #: Chooses each request's draft depth per step (None: plain decoding); assignable, as the drafter.
         self.policy: SpeculationPolicy | None = spec.build_policy() if spec else None
         self._policy_disabled: set[str] = set()  # requests whose policy failed: no drafts for them
@@ -188,7 +190,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_size=self.kv.block_size,
             num_kv_blocks=self.num_kv_blocks,
-            num_draft_slots=self.num_draft_slots,
+            num_draft_slots=self.num_draft_slots
+            + (self.num_forced_draft_slots if getattr(params, "grammar_spec", None) is not None else 0),
             has_tokenizer=self.detokenize is not None,
             grammar_backend=self.grammar_backend,
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.errors import CorruptModelError, UnknownModelError
+from specdec.errors import CorruptModelError, SpecdecError, UnknownModelError
 from specdec.models.families import (
     SLIDING_ATTENTION,
     SUPPORTED_MODEL_TYPES,
@@ -152,9 +152,16 @@ class ModelArchConfig:
 
         try:
             hf_config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise CorruptModelError(f"cannot read config.json in {model_dir}: {e}") from e
-        return cls.from_hf_config(hf_config)
+        except Exception as e:  # a user's file: whatever transformers' validation raises
+            raise CorruptModelError(f"cannot read config.json in {model_dir}: {type(e).__name__}: {e}") from e
+        try:
+            return cls.from_hf_config(hf_config)
+        except SpecdecError:  # UnknownModelError (a ValueError too) names what is not supported
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a field missing or malformed
+            raise CorruptModelError(
+                f"config.json in {model_dir} ({hf_config.model_type}) is malformed: {type(e).__name__}: {e}"
+            ) from e
 
 
 def _per_layer_type_rope(hf_config) -> bool:
