@@ -321,7 +321,6 @@ def test_negative_control_tree_rows_masked_at_the_root_fails(setup, monkeypatch)
     """Tree rows all masked by the grammar state before the tree (the bug of masking a tree like a
     chain of one row, ignoring each node's path): the second and third tokens follow the wrong masks."""
     import specdec.engine.grammar_masks as grammar_masks
-    import specdec.engine.verification as verification
     from grammars.bitmask import allocate_token_bitmask
 
     def root_only(grammar, tree, vocab_size):
@@ -330,8 +329,7 @@ def test_negative_control_tree_rows_masked_at_the_root_fails(setup, monkeypatch)
             grammar.fill_bitmask(bitmask, r)
         return bitmask
 
-    monkeypatch.setattr(verification, "tree_bitmask", root_only)  # inline, and beside the forward
-    monkeypatch.setattr(grammar_masks, "tree_bitmask", root_only)
+    monkeypatch.setattr(grammar_masks, "tree_bitmask", root_only)  # inline, and beside the forward
     llm = make_llm(setup, "tree")
     counts = sample_counts(llm, 2, seed_base=8 * 10**6, temperatures=(1.3,))
     res = assert_differs(setup["exact"][1.3], counts[1.3], label="tree rows masked at the root")

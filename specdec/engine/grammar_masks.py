@@ -31,23 +31,24 @@ from specdec.structured import draft_bitmask, tree_bitmask
 MAX_RECORDED_STEPS = 100_000
 
 
+def request_bitmask(s: ScheduledRequest, vocab_size: int) -> torch.Tensor:
+    """A constrained request's verification rows' packed bitmasks: ``[1 + m, ceil(vocab_size / 32)]``
+    int32 for a chain of m drafts (:func:`~specdec.structured.draft_bitmask`) or a tree of m nodes
+    (:func:`~specdec.structured.tree_bitmask`). The grammar is left as it was."""
+    if s.draft_tree is None:
+        return draft_bitmask(s.request.grammar, s.draft_token_ids, 1 + len(s.draft_token_ids), vocab_size)
+    return tree_bitmask(s.request.grammar, s.draft_tree, vocab_size)
+
+
 def step_bitmasks(scheduled: list[ScheduledRequest], vocab_size: int) -> dict[str, torch.Tensor]:
-    """Per constrained sampling request id, its verification rows' packed bitmasks: ``[1 + m,
-    ceil(vocab_size / 32)]`` int32 for a chain of m drafts (:func:`~specdec.structured.draft_bitmask`)
-    or a tree of m nodes (:func:`~specdec.structured.tree_bitmask`). A request whose grammar raises is
+    """Per constrained sampling request id, :func:`request_bitmask`. A request whose grammar raises is
     left out (its rows are computed again, and its fault handled, at processing time)."""
     masks: dict[str, torch.Tensor] = {}
     for s in scheduled:
-        grammar = s.request.grammar
-        if not s.sample or grammar is None:
+        if not s.sample or s.request.grammar is None:
             continue
         try:
-            if s.draft_tree is None:
-                masks[s.request.request_id] = draft_bitmask(
-                    grammar, s.draft_token_ids, 1 + len(s.draft_token_ids), vocab_size
-                )
-            else:
-                masks[s.request.request_id] = tree_bitmask(grammar, s.draft_tree, vocab_size)
+            masks[s.request.request_id] = request_bitmask(s, vocab_size)
         except Exception:
             continue
     return masks

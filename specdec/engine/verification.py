@@ -20,9 +20,9 @@ from sampling.sampler import sample
 from sampling.tree_rejection_sampler import TreeVerifyResult
 from sampling.verifier import Verifier, VerifyInput
 from specdec.engine.faults import run_isolated
+from specdec.engine.grammar_masks import request_bitmask
 from specdec.request import Request
 from specdec.scheduler import ScheduledRequest
-from specdec.structured import draft_bitmask, tree_bitmask
 
 logger = logging.getLogger("specdec.engine")
 
@@ -55,10 +55,8 @@ def row_group(
     vocab_size: int,
     bitmask: torch.Tensor | None = None,
 ) -> RowGroup:
-    """The processing of ``num_rows`` rows of ``req`` whose prefix is its tokens plus ``draft_token_ids``
-    (with its grammar's token bitmask along the drafts, unless ``bitmask`` gives the rows')."""
-    if req.grammar is not None and bitmask is None:
-        bitmask = draft_bitmask(req.grammar, draft_token_ids, num_rows, vocab_size)
+    """The processing of ``num_rows`` rows of ``req`` whose prefix is its tokens plus ``draft_token_ids``,
+    masked by ``bitmask`` (``[num_rows, ceil(vocab_size / 32)]``; None: no grammar)."""
     return RowGroup(
         req.sampling_params,
         req.token_ids,
@@ -73,14 +71,14 @@ def row_group(
 def row_groups(s: ScheduledRequest, vocab_size: int, bitmask: torch.Tensor | None = None) -> list[RowGroup]:
     """The verification rows of a request: one group for a chain; for a tree, one row per node, each
     with its own path as the draft prefix (penalties see the path, not the other branches) and, under a
-    grammar, masked by the grammar state after that path (:func:`specdec.structured.tree_bitmask`).
-    ``bitmask``: the rows' masks when already computed (:mod:`specdec.engine.grammar_masks`)."""
+    grammar, masked by the grammar state after that path. ``bitmask``: the rows' masks when already
+    computed beside the forward (else :func:`~specdec.engine.grammar_masks.request_bitmask` here)."""
     req, tree = s.request, s.draft_tree
+    if bitmask is None and req.grammar is not None:
+        bitmask = request_bitmask(s, vocab_size)
     if tree is None:
         return [row_group(req, s.draft_token_ids, 1 + len(s.draft_token_ids), vocab_size, bitmask)]
     masks = bitmask
-    if masks is None and req.grammar is not None:
-        masks = tree_bitmask(req.grammar, tree, vocab_size)
     paths: list[list[int]] = [[]] + [tree.path_tokens(i) for i in range(tree.num_nodes)]
     return [
         row_group(req, path, 1, vocab_size, None if masks is None else masks[r : r + 1])
