@@ -7,6 +7,7 @@ Methods (greedy, SmolLM2-135M-Instruct by default, one request at a time):
 - ``ngram``: prompt lookup, k = 4;
 - ``medusa`` / ``medusa-tree``: our Medusa heads, a chain of 4 / the default static tree;
 - ``eagle`` / ``eagle-tree``: our EAGLE head, a chain of 4 / EAGLE-2's dynamic tree;
+- ``eagle3`` / ``eagle3-tree``: our EAGLE-3 head, the same chain / tree;
 - any other registered drafter, by its name: a chain of 4 (:func:`method_spec`).
 
 Per method: tokens/s, speedup over our plain decoding and over transformers, τ (tokens emitted per
@@ -20,6 +21,7 @@ past EOS a model writes text no drafter was trained on, so ``ignore_eos=true`` (
 
     python -m experiments.bench_drafters prompts=heldout limit=24 max_tokens=96
     python -m experiments.bench_drafters prompts=specbench per_category=3 max_tokens=96
+    python -m experiments.bench_drafters prompts=fresh limit=16 'methods=[plain,eagle,eagle3]'
     python -m experiments.bench_drafters 'methods=[plain,ngram,eagle]' out=drafters.json plot=drafters.png
 """
 
@@ -53,6 +55,8 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "medusa-tree": {"method": "medusa", "num_speculative_tokens": 4, "tree": "static"},
     "eagle": {"method": "eagle", "num_speculative_tokens": 4},
     "eagle-tree": {"method": "eagle", "num_speculative_tokens": 5, "tree": "dynamic", "tree_topk": 4},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 4},
+    "eagle3-tree": {"method": "eagle3", "num_speculative_tokens": 5, "tree": "dynamic", "tree_topk": 4},
 }
 DEFAULT_SPECBENCH = "../shared/specbench/question.jsonl"
 
@@ -68,7 +72,8 @@ def method_names() -> list[str]:
 class BenchDraftersConfig(HarnessConfig):
     """Attributes:
     model: the target (zoo name or HF-format directory).
-    prompts: ``heldout`` (built-in prompts never trained on) or ``specbench``.
+    prompts: ``heldout`` (built-in prompts never trained on), ``specbench``, or ``fresh`` (everyday chat
+        requests written by hand, never trained on: :func:`experiments.instruct.load_fresh_chat`).
     specbench_path: Spec-Bench's question.jsonl.
     limit: held-out prompts.
     per_category: Spec-Bench prompts per category.
@@ -92,7 +97,7 @@ class BenchDraftersConfig(HarnessConfig):
 
     def validate(self) -> None:
         super().validate()
-        require_choice("prompts", self.prompts, ("heldout", "specbench"))
+        require_choice("prompts", self.prompts, ("heldout", "specbench", "fresh"))
         require_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         require_positive(self, "limit", "per_category", "max_tokens")
         require_subset("methods", self.methods, method_names())
@@ -111,7 +116,8 @@ def method_spec(name: str) -> dict[str, Any] | None:
 
 
 def load_prompts(kind: str, limit: int, per_category: int, path: str) -> list[Any]:
-    """Held-out built-in prompts (not used for training the heads) or Spec-Bench, ``per_category`` each."""
+    """Held-out built-in prompts (not used for training the heads), the fresh chat prompts, or Spec-Bench,
+    ``per_category`` each."""
     from experiments import datasets
 
     if kind == "heldout":
@@ -119,6 +125,10 @@ def load_prompts(kind: str, limit: int, per_category: int, path: str) -> list[An
 
         prompts = load_heldout_prompts()
         return datasets.round_robin(prompts)[:limit]
+    if kind == "fresh":
+        from experiments.instruct import load_fresh_chat
+
+        return load_fresh_chat(limit)
     rows = datasets.load_jsonl(path)
     by_cat: dict[str, list[Any]] = defaultdict(list)
     for p in rows:

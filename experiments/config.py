@@ -308,6 +308,15 @@ class EagleDrafterConfig(HeadDrafterConfig):
 
 
 @dataclass
+class Eagle3DrafterConfig(HeadDrafterConfig):
+    """The EAGLE-3 head (Li et al. 2025): a fusion of three target layers, one decoder layer and a
+    reduced draft vocabulary; a chain or a dynamic tree (EAGLE-2's)."""
+
+    method: str = "eagle3"
+    num_speculative_tokens: int = 4
+
+
+@dataclass
 class RegisteredDrafterConfig(DrafterConfig):
     """Any drafter registered with :func:`specdec.drafters.register_drafter`, by name, with no library
     edit: ``drafter=registered drafter.method=repeat_last drafter.import_module=my_drafters``.
@@ -883,6 +892,11 @@ class TrainDataConfig:
         max_num_batched_tokens: token budget of one engine forward while generating.
         feature_batch_tokens: tokens of one target forward when the features are computed.
         cache_dir: where the data is cached (None: ``<specdec cache>/train``).
+        instruct_limit: generated instruction prompts of Spec-Bench's kinds used (0: none; None: all;
+            see :func:`experiments.instruct.load_instruct`).
+        feature_layers: None stores the final-norm features ``[L, H]`` (Medusa, EAGLE); a list stores
+            the residual streams entering those target layers, then the final-norm features, ``[L, (n +
+            1) H]``, and the target's top token at every position (EAGLE-3; ``[]``: its default layers).
     """
 
     builtin_limit: int | None = None
@@ -899,6 +913,8 @@ class TrainDataConfig:
     max_num_batched_tokens: int = 2048
     feature_batch_tokens: int = 4096
     cache_dir: str | None = None
+    instruct_limit: int | None = 0
+    feature_layers: list[int] | None = None
 
 
 @dataclass
@@ -918,6 +934,11 @@ class TrainOptions:
             (EAGLE-1's augmentation; 0: none).
         eagle_unroll: EAGLE steps trained: 1 (teacher forcing) or 2 (the second step reads the head's
             own first prediction, as when drafting a chain).
+        eagle3_ttt_steps: EAGLE-3's training-time test: drafting steps unrolled on the head's own
+            outputs (1: teacher forcing only).
+        eagle3_step_decay: weight of step j's loss is ``decay ** (j - 1)`` (the paper's code: 0.8).
+        eagle3_draft_vocab_size: the reduced draft vocabulary: the most frequent target tokens of the
+            training data.
         eval_interval_s: held-out evaluation every this many seconds of training.
         eval_max_positions: positions (Medusa) or tokens (EAGLE) of the periodic held-out evaluations;
             the final one covers the whole held-out split.
@@ -946,6 +967,9 @@ class TrainOptions:
     eagle_ce_weight: float = 0.1
     eagle_noise: float = 0.0
     eagle_unroll: int = 1
+    eagle3_ttt_steps: int = 4
+    eagle3_step_decay: float = 0.8
+    eagle3_draft_vocab_size: int = 8192
     eval_interval_s: float = 120.0
     eval_max_positions: int = 2048
     log_every: int = 10
@@ -992,6 +1016,7 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
     ("drafter", "draft_model_schema"): DraftModelDrafterConfig,
     ("drafter", "medusa_schema"): MedusaDrafterConfig,
     ("drafter", "eagle_schema"): EagleDrafterConfig,
+    ("drafter", "eagle3_schema"): Eagle3DrafterConfig,
     ("drafter", "quantized_self_schema"): QuantizedSelfDrafterConfig,
     ("drafter", "registered_schema"): RegisteredDrafterConfig,
     ("dataset", "builtin_schema"): BuiltinDatasetConfig,
@@ -1483,13 +1508,13 @@ def validate_train_config(cfg: TrainConfig) -> None:
     loads.
 
     Raises:
-        ValueError: a drafter other than medusa/eagle, a relabelled group, a drafter value the library
+        ValueError: a drafter other than medusa/eagle/eagle3, a relabelled group, a drafter value the library
             rejects (``SpeculativeConfig``), a non-positive count or budget, neither a time budget nor
             epochs, greedy with ``n`` > 1, or an engine value ``specdec.LLM`` would reject.
     """
     d, data, t = cfg.drafter, cfg.data, cfg.train
     if not isinstance(d, HeadDrafterConfig):
-        raise ValueError(f"drafter must be medusa or eagle for training, got drafter={d.method}")
+        raise ValueError(f"drafter must be medusa, eagle or eagle3 for training, got drafter={d.method}")
     for group, attr in (("drafter", "method"), ("logger", "name")):
         obj = getattr(cfg, group)
         expected, value = type(obj).__dataclass_fields__[attr].default, getattr(obj, attr)
@@ -1515,6 +1540,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
     for key, value in (
         ("data.builtin_limit", data.builtin_limit),
         ("data.chat_limit", data.chat_limit),
+        ("data.instruct_limit", data.instruct_limit),
     ):
         if value is not None and value < 0:
             raise ValueError(f"{key} must be >= 0 or null, got {value}")
@@ -1562,6 +1588,17 @@ def validate_train_config(cfg: TrainConfig) -> None:
         raise ValueError(f"train.eagle_unroll must be 1 or 2, got {t.eagle_unroll}")
     if t.eagle_ce_weight < 0 or t.eagle_noise < 0:
         raise ValueError("train.eagle_ce_weight and train.eagle_noise must be >= 0")
+    if t.eagle3_ttt_steps < 1 or t.eagle3_draft_vocab_size < 1 or not 0.0 < t.eagle3_step_decay <= 1.0:
+        raise ValueError(
+            "train.eagle3_ttt_steps and train.eagle3_draft_vocab_size must be >= 1, train.eagle3_step_decay "
+            f"in (0, 1]; got {t.eagle3_ttt_steps}, {t.eagle3_draft_vocab_size}, {t.eagle3_step_decay}"
+        )
+    if data.feature_layers is not None and d.method != "eagle3":
+        raise ValueError(f"data.feature_layers is for drafter=eagle3 (its fused layers), not {d.method}")
+    if data.feature_layers is not None and any(
+        isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in data.feature_layers
+    ):
+        raise ValueError(f"data.feature_layers must be layer indices >= 0, got {data.feature_layers}")
     if t.torch_threads is not None and t.torch_threads < 1:
         raise ValueError(f"train.torch_threads must be >= 1 or null, got {t.torch_threads}")
     try:

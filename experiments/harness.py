@@ -386,7 +386,8 @@ def time_together(
 def spec_stats_fields(llm: Any) -> dict[str, Any]:
     """The speculative counters since the last reset: ``tau`` (tokens per target forward),
     ``acceptance_rate``, ``acceptance_per_position`` (the fraction of draft steps whose draft at depth i
-    was accepted), ``draft_tokens_per_step``, ``draft_time_s``, ``verify_time_s``; empty without a
+    was accepted), ``draft_tokens_per_step``, ``draft_time_s``, ``draft_ms_per_step`` (drafting time per
+    draft step), ``verify_time_s``; empty without a
     draft step (plain decoding)."""
     stats = llm.engine.spec_stats
     if stats is None or not stats.num_drafts:
@@ -397,6 +398,7 @@ def spec_stats_fields(llm: Any) -> dict[str, Any]:
         "acceptance_per_position": [n / stats.num_drafts for n in stats.accepted_per_position],
         "draft_tokens_per_step": stats.num_draft_tokens / stats.num_drafts,
         "draft_time_s": stats.draft_time_s,
+        "draft_ms_per_step": 1e3 * stats.draft_time_s / stats.num_drafts,
         "verify_time_s": stats.verify_time_s,
     }
 

@@ -189,7 +189,8 @@ class SpeculativeConfig:
     "draft_model" (a smaller model with the target's tokenizer; Leviathan et al. 2023, Chen et al. 2023),
     "quantized_self" (the target's own weights quantized, see ``quantization``: a draft model that needs
     no second checkpoint), "medusa" (Medusa-1 heads, Cai et al. 2024), "eagle" (an EAGLE head, Li et al.
-    2024), "grammar" (the tokens a request's grammar forces, no model: jump-forward decoding verified as
+    2024), "eagle3" (an EAGLE-3 head: fused target layers, a reduced draft vocabulary; Li et al. 2025),
+    "grammar" (the tokens a request's grammar forces, no model: jump-forward decoding verified as
     drafts), "suffix" (suffix decoding, Oliaro et al. 2024: suffix tries over the request's text and,
     opt-in, earlier requests'), "hybrid" (per request and step, the member drafter with the best running
     acceptance).
@@ -199,8 +200,8 @@ class SpeculativeConfig:
         num_speculative_tokens: k, the most draft tokens per step of a chain, or the deepest level of a
             tree (1..16).
         prompt_lookup_max, prompt_lookup_min: n-gram sizes tried by "ngram", longest first.
-        model: "draft_model": a zoo name or an HF-format directory; "medusa"/"eagle": a built-in head name
-            (a folder of ``specdec/heads``) or a head checkpoint directory, None for the target's
+        model: "draft_model": a zoo name or an HF-format directory; "medusa"/"eagle"/"eagle3": a built-in
+            head name (a folder of ``specdec/heads``) or a head checkpoint directory, None for the target's
             built-in heads (``<target zoo name>-<method>``). What it means for a drafter is its registry
             entry's ``model`` kind.
         draft_dtype: dtype of the draft model or heads; None: the target's.
@@ -209,7 +210,7 @@ class SpeculativeConfig:
             ``{"method": "int4", "group_size": 32}``); it shares the target's tokenizer and embedding, has
             its own KV, and the full-precision target verifies its drafts as any draft model's.
         tree: None (a chain of k drafts), "static" (a Medusa tree from ``tree_choices``; medusa only) or
-            "dynamic" (EAGLE-2's tree; eagle only): the values the drafter's entry lists in ``trees``.
+            "dynamic" (EAGLE-2's tree; eagle and eagle3): the values the drafter's entry lists in ``trees``.
         tree_choices: the static tree's index paths (None: :data:`DEFAULT_TREE_CHOICES`); paths deeper than
             k are dropped.
         tree_topk: "dynamic": children drafted per expanded node, and nodes expanded per level.

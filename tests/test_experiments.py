@@ -19,6 +19,7 @@ from experiments.config import (
     ChoiceGrammarConfig,
     DraftModelDrafterConfig,
     Dtype,
+    Eagle3DrafterConfig,
     EagleDrafterConfig,
     EngineConfig,
     ExperimentConfig,
@@ -88,6 +89,7 @@ def test_every_group_has_its_options():
     assert OPTIONS["drafter"] == [
         "draft_model",
         "eagle",
+        "eagle3",
         "hybrid",
         "medusa",
         "ngram",
@@ -139,6 +141,7 @@ EXPECTED_TYPES = {
         "draft_model": DraftModelDrafterConfig,
         "medusa": MedusaDrafterConfig,
         "eagle": EagleDrafterConfig,
+        "eagle3": Eagle3DrafterConfig,
         "quantized_self": QuantizedSelfDrafterConfig,
         "registered": RegisteredDrafterConfig,
     },

@@ -69,7 +69,7 @@ def test_train_config_composes(hydra_conf, drafter, schema):
 def test_train_config_rejects_bad_values(hydra_conf):
     with pytest.raises(ConfigCompositionException):
         load_train_cfg("train.time_budget=5")  # misspelt key
-    with pytest.raises(ValueError, match="drafter must be medusa or eagle"):
+    with pytest.raises(ValueError, match="drafter must be medusa, eagle or eagle3"):
         load_train_cfg("drafter=ngram")
     with pytest.raises(ValueError, match=r"train\.time_budget_s or train\.epochs"):
         load_train_cfg("train.time_budget_s=null")

@@ -154,8 +154,10 @@ def head_config(
     num_heads: int,
     arch: dict[str, Any] | None,
     training: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> HeadConfig:
-    """The ``config.json`` of the trained heads, with the provenance ``training``."""
+    """The ``config.json`` of the trained heads, with the provenance ``training`` and the method's own
+    fields ``extra`` (EAGLE-3: ``draft_vocab_size``, ``feature_layers``)."""
     from specdec.drafters.heads import HeadConfig
 
     return HeadConfig(
@@ -166,6 +168,7 @@ def head_config(
         num_heads=num_heads,
         arch=arch,
         training=training,
+        **(extra or {}),
     )
 
 

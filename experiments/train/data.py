@@ -45,6 +45,9 @@ class DistilData:
         ids, categories: the prompt of each sequence (a prompt with ``n`` samples gives ``n`` sequences).
         heldout: per sequence, whether its prompt is held out.
         meta: how the data was made (fingerprint, settings, counts, times).
+        top_tokens: with ``data.feature_layers`` (EAGLE-3), per sequence ``[L]`` int32 the target's top
+            token after each position; the features are then ``[L, (n + 1) H]`` (the ``n`` layers'
+            streams, then ``f_t``). None otherwise.
     """
 
     tokens: list[torch.Tensor]
@@ -54,6 +57,7 @@ class DistilData:
     categories: list[str]
     heldout: list[bool] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    top_tokens: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -69,6 +73,7 @@ class DistilData:
             [self.categories[i] for i in keep],
             [heldout] * len(keep),
             self.meta,
+            None if self.top_tokens is None else [self.top_tokens[i] for i in keep],
         )
 
     @property
@@ -91,12 +96,19 @@ def model_identity(model_dir: Path) -> dict[str, Any]:
 
 
 def data_fingerprint(
-    model: str, model_dir: Path, dtype: str, prompt_ids: Sequence[Sequence[int]], data: TrainDataConfig
+    model: str,
+    model_dir: Path,
+    dtype: str,
+    prompt_ids: Sequence[Sequence[int]],
+    data: TrainDataConfig,
+    feature_layers: Sequence[int] | None = None,
 ) -> str:
     """sha256 of everything the cached data depends on: the model, the dtype, every prompt's token ids
-    and the generation settings and seed (not the split, computed when the data is loaded)."""
+    and the generation settings and seed (not the split, computed when the data is loaded), and the
+    feature layers when set (the responses are keyed without them, so every kind of features reuses
+    one generation)."""
     prompts = hashlib.sha256(json.dumps([list(map(int, p)) for p in prompt_ids]).encode()).hexdigest()
-    key = {
+    key: dict[str, Any] = {
         "version": DATA_FORMAT_VERSION,
         "model": model,
         "model_identity": model_identity(model_dir),
@@ -104,7 +116,28 @@ def data_fingerprint(
         "prompts": prompts,
         "generation": _generation_settings(data),
     }
+    if feature_layers:
+        key["feature_layers"] = [int(i) for i in feature_layers]
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def resolve_feature_layers(data: TrainDataConfig, model_dir: Path) -> list[int] | None:
+    """``data.feature_layers`` with ``[]`` replaced by EAGLE-3's default layers of the target.
+
+    Raises:
+        ValueError: a layer index above the target's number of layers.
+    """
+    if data.feature_layers is None:
+        return None
+    from specdec.drafters.eagle3_head import default_feature_layers
+    from specdec.models.config import ModelArchConfig
+
+    num_layers = ModelArchConfig.from_pretrained(model_dir).num_layers
+    layers = list(data.feature_layers) or list(default_feature_layers(num_layers))
+    bad = [i for i in layers if i > num_layers]
+    if bad:
+        raise ValueError(f"data.feature_layers {bad} exceed the target's {num_layers} layers")
+    return layers
 
 
 def _generation_settings(data: TrainDataConfig) -> dict[str, Any]:
@@ -140,6 +173,8 @@ def save_data(directory: Path, data: DistilData) -> None:
         "starts": torch.tensor(data.starts, dtype=torch.int64),
         "features": torch.cat(data.features).to(torch.bfloat16),
     }
+    if data.top_tokens is not None:
+        tensors["top_tokens"] = torch.cat(data.top_tokens).to(torch.int32)
     save_file(tensors, str(tmp / "data.safetensors"))
     meta = {**data.meta, "ids": data.ids, "categories": data.categories}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -161,6 +196,7 @@ def load_data(directory: Path) -> DistilData:
     tokens = tensors["tokens"].to(torch.int64)
     features = tensors["features"]
     spans = list(itertools.pairwise(offsets))
+    top = tensors.get("top_tokens")
     return DistilData(
         [tokens[a:b] for a, b in spans],
         [int(s) for s in tensors["starts"].tolist()],
@@ -169,6 +205,7 @@ def load_data(directory: Path) -> DistilData:
         list(meta.pop("categories")),
         [],
         meta,
+        None if top is None else [top[a:b] for a, b in spans],
     )
 
 
@@ -195,7 +232,8 @@ def prepare_data(
             for d in (greedy, sampled)
         ]
         return _concat_data(parts)
-    fingerprint = data_fingerprint(cfg.model.name, model_dir, cfg.model.dtype.value, prompt_ids, data)
+    layers = resolve_feature_layers(data, model_dir)
+    fingerprint = data_fingerprint(cfg.model.name, model_dir, cfg.model.dtype.value, prompt_ids, data, layers)
     root = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
     directory = root / fingerprint[:16]
     meta_file = directory / "meta.json"
@@ -204,7 +242,9 @@ def prepare_data(
         dd = load_data(directory)
         dd.meta["cached"] = True
     else:
-        dd = _make_data(cfg, prompts, prompt_ids, model_dir, fingerprint, directory, skip_tokenizer_init)
+        dd = _make_data(
+            cfg, prompts, prompt_ids, model_dir, fingerprint, directory, skip_tokenizer_init, layers
+        )
     dd.meta["directory"] = str(directory)
     by_id = {p.id: h for p, h in zip(prompts, split_heldout(prompts, data.heldout_fraction))}
     dd.heldout = [by_id[prompt_id_of(i)] for i in dd.ids]
@@ -219,11 +259,14 @@ def _make_data(
     fingerprint: str,
     directory: Path,
     skip_tokenizer_init: bool,
+    feature_layers: list[int] | None = None,
 ) -> DistilData:
     """Generate the responses (or read them from their cache file), featurise and save the data."""
     data, dtype = cfg.data, cfg.model.dtype.value
-    responses_file = directory.parent / f"{fingerprint[:16]}.responses.json"
-    cached = read_responses(responses_file, fingerprint)
+    # The responses do not depend on the features: keyed by the fingerprint without feature layers.
+    responses_key = data_fingerprint(cfg.model.name, model_dir, dtype, prompt_ids, data)
+    responses_file = directory.parent / f"{responses_key[:16]}.responses.json"
+    cached = read_responses(responses_file, responses_key)
     if cached is not None:
         logger.info("responses from the cache: %s", responses_file)
         responses, gen_s = cached
@@ -234,10 +277,12 @@ def _make_data(
             cfg.model.name, prompt_ids, data, dtype, cfg.train.device, skip_tokenizer_init
         )
         gen_s = time.perf_counter() - t0
-        write_responses(responses_file, fingerprint, gen_s, responses)
+        write_responses(responses_file, responses_key, gen_s, responses)
     sequences, starts, ids, categories = _sequences(prompts, prompt_ids, responses)
     t1 = time.perf_counter()
-    features = featurise(model_dir, dtype, cfg.train.device, sequences, data.feature_batch_tokens)
+    features, top_tokens = featurise(
+        model_dir, dtype, cfg.train.device, sequences, data.feature_batch_tokens, feature_layers, starts
+    )
     feat_s = time.perf_counter() - t1
     meta = {
         "fingerprint": fingerprint,
@@ -250,8 +295,9 @@ def _make_data(
         "num_response_tokens": sum(len(s) - st for s, st in zip(sequences, starts)),
         "generation_time_s": gen_s,
         "feature_time_s": feat_s,
+        "feature_layers": feature_layers,
     }
-    dd = DistilData(sequences, starts, features, ids, categories, [], meta)
+    dd = DistilData(sequences, starts, features, ids, categories, [], meta, top_tokens)
     save_data(directory, dd)
     dd.meta["cached"] = False
     dd.meta["responses_cached"] = cached is not None
@@ -308,4 +354,5 @@ def _concat_data(parts: Sequence[DistilData]) -> DistilData:
         [c for p in parts for c in p.categories],
         [h for p in parts for h in p.heldout],
         meta,
+        None if any(p.top_tokens is None for p in parts) else [t for p in parts for t in p.top_tokens or []],
     )

@@ -23,6 +23,7 @@ from torch import nn
 from experiments.config import SamplingConfig, TrainConfig
 from experiments.train.data import DistilData
 from experiments.train.objectives.eagle import StepOutputs, eagle_batches, eagle_forward, eagle_losses
+from experiments.train.objectives.eagle3 import eagle3_batches, eagle3_forward
 from experiments.train.objectives.medusa import MedusaExamples, medusa_head_outputs
 from experiments.train.target import FrozenTarget
 
@@ -107,6 +108,39 @@ def evaluate_eagle(
         "top5": sums["top5"] / max(sums["acc_rows"], 1),
         "top1_step2": sums["top1_step2"] / max(sums["rows2"], 1),
         "num_positions": int(sums["acc_rows"]),
+    }
+
+
+@torch.inference_mode()
+def evaluate_eagle3(
+    head: nn.Module,
+    target: FrozenTarget,
+    data: DistilData,
+    steps: int,
+    max_tokens: int | None = None,
+    batch_tokens: int = 1024,
+) -> dict[str, Any]:
+    """Held-out loss and top-1 accuracy of each training-time-test step (the head's top draft token
+    equals the target's top token, on rows whose target top token is in the draft vocabulary), and the
+    product of the per-step accuracies up to each step (a rough chain acceptance)."""
+    loss = [0.0] * steps
+    hits = [0.0] * steps
+    rows = [0] * steps
+    used = 0
+    for batch in eagle3_batches(data, batch_tokens, target.arch.hidden_size):
+        if max_tokens is not None and used >= max_tokens:
+            break
+        used += batch.num_rows
+        for j, s in enumerate(eagle3_forward(head, target, batch, steps)):
+            loss[j] += float(s.loss) * s.rows
+            hits[j] += s.hits
+            rows[j] += s.rows
+    top1 = [h / max(r, 1) for h, r in zip(hits, rows)]
+    return {
+        "loss": sum(x / max(r, 1) for x, r in zip(loss, rows)) / steps,
+        "loss_per_step": [x / max(r, 1) for x, r in zip(loss, rows)],
+        "top1_per_step": top1,
+        "num_positions": rows[0],
     }
 
 

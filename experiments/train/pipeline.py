@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,8 @@ def run_training(
     from specdec.zoo import resolve_model
 
     tracker = tracker or NullTracker()
+    if cfg.drafter.method == "eagle3" and cfg.data.feature_layers is None:  # its default fused layers
+        cfg = replace(cfg, data=replace(cfg.data, feature_layers=[]))
     t_start = time.perf_counter()
     threads_before = torch.get_num_threads()
     if cfg.train.torch_threads is not None:
@@ -79,10 +82,10 @@ def run_training(
         train, heldout = _split(data)
         target = FrozenTarget.load(model_dir, cfg.train.device)
         provenance = init_provenance(cfg.train.init_from)  # read before install may overwrite them
-        result, num_heads, arch = train_heads(cfg, target, train, heldout, tracker)
+        result, num_heads, arch, extra = train_heads(cfg, target, train, heldout, tracker)
         out_dir = default_out_dir(cfg, run_dir)
         training = training_record(cfg, command, data, train, heldout, result, provenance, seeds, info)
-        head_cfg = head_config(cfg, target, num_heads, arch, training)
+        head_cfg = head_config(cfg, target, num_heads, arch, training, extra)
         save_artefacts(result.module, head_cfg, out_dir, command)
         size = dir_size(out_dir)
         logger.info("heads saved to %s (%.1f MB)", out_dir, size / 1e6)

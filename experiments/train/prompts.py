@@ -38,14 +38,20 @@ def split_heldout(prompts: Sequence[Prompt], fraction: float) -> list[bool]:
 
 
 def training_prompts(data: TrainDataConfig) -> list[Prompt]:
-    """Every prompt of the training data (both splits): built-in, then chat."""
+    """Every prompt of the training data (both splits): built-in, then chat, then the generated
+    instruction prompts (``data.instruct_limit``, none by default)."""
     builtin = (
         []
         if data.builtin_limit == 0
         else load_builtin(data.builtin_limit, data.prompt_seed, data.max_prompt_chars)
     )
     chat = [] if data.chat_limit == 0 else load_chat(data.chat_limit, data.prompt_seed)
-    return builtin + chat
+    instruct: list[Prompt] = []
+    if data.instruct_limit != 0:
+        from experiments.instruct import load_instruct
+
+        instruct = load_instruct(data.instruct_limit, data.prompt_seed)
+    return builtin + chat + instruct
 
 
 def load_heldout_prompts(data: TrainDataConfig | None = None) -> list[Prompt]:

@@ -17,6 +17,7 @@ class FrozenTarget:
     arch: Any
     embed: torch.Tensor  # [V, H] float32
     lm_head: torch.Tensor  # [V, H] bfloat16
+    final_norm: torch.Tensor | None = None  # [H] float32: the final norm's weight (EAGLE-3's init)
 
     @classmethod
     def load(cls, model_dir: Path, device: str = "cpu") -> FrozenTarget:
@@ -27,7 +28,13 @@ class FrozenTarget:
         state = read_state_dict(model_dir)
         embed = state["model.embed_tokens.weight"].float()
         head = embed if arch.tie_word_embeddings else state["lm_head.weight"].float()
-        return cls(arch, embed.to(device), head.to(device=device, dtype=torch.bfloat16))
+        norm = state.get("model.norm.weight")
+        return cls(
+            arch,
+            embed.to(device),
+            head.to(device=device, dtype=torch.bfloat16),
+            None if norm is None else norm.float().to(device),
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` -> ``[N, V]`` float32 logits (differentiable in ``hidden``)."""

@@ -11,13 +11,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.config import EagleDrafterConfig, MedusaDrafterConfig, TrainConfig
+from experiments.config import Eagle3DrafterConfig, EagleDrafterConfig, MedusaDrafterConfig, TrainConfig
 from experiments.tracking import NullTracker, Tracker
 from experiments.train.artefacts import initialise_from
 from experiments.train.data import DistilData
-from experiments.train.evaluate import evaluate_eagle, evaluate_medusa
+from experiments.train.evaluate import evaluate_eagle, evaluate_eagle3, evaluate_medusa
 from experiments.train.loop import TrainResult, make_optimizer, planned_steps, train_loop
 from experiments.train.objectives.eagle import EagleBatch, eagle_batches, eagle_step
+from experiments.train.objectives.eagle3 import (
+    Eagle3Batch,
+    eagle3_batches,
+    eagle3_step,
+    select_draft_vocab,
+    vocab_coverage,
+)
 from experiments.train.objectives.medusa import MedusaExamples, medusa_examples, medusa_step
 from experiments.train.target import FrozenTarget
 
@@ -26,15 +33,23 @@ logger = logging.getLogger("experiments.train")
 
 def train_heads(
     cfg: TrainConfig, target: FrozenTarget, train: DistilData, heldout: DistilData, tracker: Tracker
-) -> tuple[TrainResult, int, dict[str, Any] | None]:
-    """Train the heads of ``cfg.drafter``'s method; returns the result, the number of heads and, for
-    EAGLE, the head's architecture fields (for its ``config.json``)."""
+) -> tuple[TrainResult, int, dict[str, Any] | None, dict[str, Any]]:
+    """Train the heads of ``cfg.drafter``'s method; returns the result, the number of heads, for EAGLE
+    and EAGLE-3 the head's architecture fields, and the method's other ``config.json`` fields."""
     from specdec.drafters.heads import arch_fields
 
     if isinstance(cfg.drafter, MedusaDrafterConfig):
-        return train_medusa(cfg, target, train, heldout, tracker), cfg.train.medusa_num_heads, None
+        return train_medusa(cfg, target, train, heldout, tracker), cfg.train.medusa_num_heads, None, {}
     if isinstance(cfg.drafter, EagleDrafterConfig):
-        return train_eagle(cfg, target, train, heldout, tracker), 1, arch_fields(target.arch)
+        return train_eagle(cfg, target, train, heldout, tracker), 1, arch_fields(target.arch), {}
+    if isinstance(cfg.drafter, Eagle3DrafterConfig):
+        result = train_eagle3(cfg, target, train, heldout, tracker)
+        head = result.module
+        extra = {
+            "draft_vocab_size": head.draft_vocab_size,
+            "feature_layers": list(head.feature_layers),
+        }
+        return result, 1, arch_fields(target.arch), extra
     # validate_train_config refuses it
     raise ValueError(f"cannot train drafter {cfg.drafter.method}")
 
@@ -148,3 +163,81 @@ def train_eagle(
         return out
 
     return train_loop(cfg, head, opt, total_steps, steps_per_epoch, batches, step, evaluate, tracker)
+
+
+def train_eagle3(
+    cfg: TrainConfig,
+    target: FrozenTarget,
+    train: DistilData,
+    heldout: DistilData,
+    tracker: Tracker | None = None,
+) -> TrainResult:
+    """Train an EAGLE-3 head (:mod:`experiments.train.objectives.eagle3`) on data made with
+    ``data.feature_layers``: the draft vocabulary is chosen from the training split, the head's LM head
+    starts as the target's rows of it and its final norm as the target's.
+
+    Raises:
+        ValueError: data without fused features, or no training sequences.
+    """
+    from specdec.drafters.eagle3_head import Eagle3Head
+
+    t = cfg.train
+    tracker = tracker or NullTracker()
+    arch = target.arch
+    layers = train.meta.get("feature_layers") or _parts_feature_layers(train.meta)
+    if not layers or train.top_tokens is None:
+        raise ValueError("EAGLE-3 training needs data made with data.feature_layers")
+    torch.manual_seed(t.seed)
+    size = min(t.eagle3_draft_vocab_size, arch.vocab_size)
+    draft_ids = select_draft_vocab(train, size, arch.eos_token_ids, arch.vocab_size)
+    head = Eagle3Head(arch, size, layers).to(t.device).float()
+    head.set_vocab(draft_ids)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head[head.target_ids().to(target.lm_head.device)].float())
+        if target.final_norm is not None:
+            head.norm.weight.copy_(target.final_norm)
+    initialise_from(head, t.init_from, target, "eagle3")
+    coverage = vocab_coverage(train, draft_ids)
+    held_coverage = vocab_coverage(heldout, draft_ids) if len(heldout) else None
+    gen = torch.Generator().manual_seed(t.seed)
+    h = arch.hidden_size
+    steps_per_epoch = sum(1 for _ in eagle3_batches(train, t.batch_tokens, h))
+    if steps_per_epoch == 0:
+        raise ValueError("no training sequences")
+    total_steps = planned_steps(cfg, steps_per_epoch)
+    opt = make_optimizer(head, cfg)
+    logger.info(
+        "eagle3: layers %s, draft vocabulary %d (covers %.1f %% of the target's top tokens in training "
+        "responses, %s held out), %d sequences (%d response rows, %d steps an epoch), TTT %d steps",
+        layers,
+        size,
+        100 * coverage,
+        "-" if held_coverage is None else f"{100 * held_coverage:.1f} %",
+        len(train),
+        train.num_response_tokens,
+        steps_per_epoch,
+        t.eagle3_ttt_steps,
+    )
+    tracker.log_summary({"draft_vocab_coverage": coverage, "draft_vocab_coverage_heldout": held_coverage})
+
+    def batches() -> Iterator[Eagle3Batch]:
+        order = torch.randperm(len(train), generator=gen).tolist()
+        return eagle3_batches(train, t.batch_tokens, h, order)
+
+    def step(batch: Eagle3Batch) -> tuple[float, dict[str, Any], int]:
+        return eagle3_step(head, target, batch, t.eagle3_ttt_steps, t.eagle3_step_decay)
+
+    def evaluate(limit: int | None) -> dict[str, Any]:
+        head.eval()
+        out = evaluate_eagle3(head, target, heldout, t.eagle3_ttt_steps, limit) if len(heldout) else {}
+        out["draft_vocab_coverage"] = coverage
+        head.train()
+        return out
+
+    return train_loop(cfg, head, opt, total_steps, steps_per_epoch, batches, step, evaluate, tracker)
+
+
+def _parts_feature_layers(meta: dict[str, Any]) -> list[int] | None:
+    """The feature layers of concatenated data (``data.include_greedy``): every part's, when equal."""
+    layers = {tuple(p.get("feature_layers") or ()) for p in meta.get("parts", [])}
+    return list(layers.pop()) if len(layers) == 1 else None

@@ -108,9 +108,11 @@ class CompiledDecoder:
         no_caches = cast(Sequence[tuple[torch.Tensor, torch.Tensor]], [(None, None)] * len(ops))
         no_metadata = cast(AttentionMetadata, None)
 
-        def body(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            hidden = model.layer_stack(input_ids, positions, no_caches, no_metadata, ops)
-            return model.norm(hidden)
+        def body(
+            input_ids: torch.Tensor, positions: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            hidden, aux = model.layer_stack(input_ids, positions, no_caches, no_metadata, ops)
+            return model.norm(hidden), aux
 
         # Dynamo caches compiled graphs on the code object: give each decoder its own (a draft model and
         # its target must not share frozen weights), and room for one graph per bucket.
@@ -156,7 +158,7 @@ class CompiledDecoder:
         first = bucket not in self.stats.compile_time_s
         t0 = time.perf_counter()
         with forward_context(ForwardContext(metadata, attention, kv_caches, n)):
-            hidden = self._compiled(input_ids, positions)
+            hidden, aux = self._compiled(input_ids, positions)
         if first:
             self.stats.compile_time_s[bucket] = time.perf_counter() - t0
             self.stats.compiled_buckets.append(bucket)
@@ -167,4 +169,7 @@ class CompiledDecoder:
         hidden = hidden[:n]
         rows = hidden if logits_indices is None else hidden[logits_indices]
         logits = self.model.logits(rows)
+        if aux is not None:  # the feature layers' streams (EAGLE-3) instead of the final-norm features
+            aux = aux[:n]
+            return logits, (aux if all_hidden or logits_indices is None else aux[logits_indices])
         return logits, (hidden if all_hidden or logits_indices is None else rows)

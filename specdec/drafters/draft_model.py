@@ -42,6 +42,41 @@ class _DraftKV:
     num_computed: int = 0  # committed tokens whose draft K/V is in the draft cache
 
 
+def draw_draft_tokens(
+    logits: torch.Tensor,
+    reqs: list[Request],
+    drafts: list[list[int]],
+    bitmasks: list[torch.Tensor | None],
+    generator: torch.Generator,
+) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One draft token per row of ``logits`` ``[R, V]`` (row r continues ``reqs[r]`` after its
+    ``drafts[r]``), and the distribution it was drawn from ``[V]`` float32 (None for greedy requests,
+    whose draft is the processed argmax).
+
+    Each row is processed exactly as the target's verification row for the same position
+    (:func:`sampling.processors.process_logits`), so ``draft_probs`` is the drafter's processed
+    distribution; ``-inf`` logits (a reduced draft vocabulary) stay at probability zero. ``bitmasks``:
+    per row a grammar's packed token bitmask ``[1, ceil(V / 32)]`` after the earlier drafts, or None.
+    Requests with a seed draw from their own generator, the others from ``generator``.
+    """
+    groups = [
+        RowGroup(r.sampling_params, r.token_ids, r.num_prompt_tokens, r.stop_ids, d, 1, m)
+        for r, d, m in zip(reqs, drafts, bitmasks)
+    ]
+    meta = build_sampling_metadata(groups, logits.shape[-1], logits.device)
+    processed = process_logits(logits, meta)
+    tokens = processed.argmax(dim=-1).tolist()
+    probs: list[torch.Tensor | None] = [None] * len(reqs)
+    random = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
+    if random:
+        rows = torch.tensor(random, device=logits.device)
+        p = torch.softmax(processed[rows], dim=-1)
+        drawn = sample_from_probs(p, [reqs[i].generator for i in random], generator).tolist()
+        for j, i in enumerate(random):
+            tokens[i], probs[i] = drawn[j], p[j]
+    return tokens, probs
+
+
 def check_draft_vocabulary(
     target: ModelArchConfig, config: SpeculativeConfig, model_dir: Path | None
 ) -> None:
@@ -120,22 +155,7 @@ class DraftModelDrafter(DrafterBase):
         ``draft_probs`` is the drafter's processed distribution. ``bitmasks``: per row the grammar's
         packed token bitmask ``[1, ceil(V / 32)]`` after the earlier drafts, or None.
         """
-        groups = [
-            RowGroup(r.sampling_params, r.token_ids, r.num_prompt_tokens, r.stop_ids, d, 1, m)
-            for r, d, m in zip(reqs, drafts, bitmasks)
-        ]
-        meta = build_sampling_metadata(groups, logits.shape[-1], logits.device)
-        processed = process_logits(logits, meta)
-        tokens = processed.argmax(dim=-1).tolist()
-        probs: list[torch.Tensor | None] = [None] * len(reqs)
-        random = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
-        if random:
-            rows = torch.tensor(random, device=logits.device)
-            p = torch.softmax(processed[rows], dim=-1)
-            drawn = sample_from_probs(p, [reqs[i].generator for i in random], self.generator).tolist()
-            for j, i in enumerate(random):
-                tokens[i], probs[i] = drawn[j], p[j]
-        return tokens, probs
+        return draw_draft_tokens(logits, reqs, drafts, bitmasks, self.generator)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:

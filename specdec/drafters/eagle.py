@@ -110,15 +110,12 @@ class EagleDrafter(DrafterBase):
 
     def __init__(self, ctx: DrafterContext, head: EagleHead | None = None) -> None:
         target, config = ctx.target, ctx.config
-        if config.tree == "dynamic" and config.tree_topk > target.cfg.vocab_size:
-            raise ConfigError(
-                f"tree_topk={config.tree_topk} exceeds the vocabulary ({target.cfg.vocab_size} tokens)"
-            )
         if head is None:
             assert ctx.model_dir is not None, "the registry resolves the head's directory"
-            loaded, _ = load_heads(str(ctx.model_dir), target.cfg, "eagle", ctx.dtype, ctx.device)
-            assert isinstance(loaded, EagleHead)
-            head = loaded
+            head = self._load_head(ctx)
+        vocab = self._draft_vocab_size(head, target.cfg.vocab_size)
+        if config.tree == "dynamic" and config.tree_topk > vocab:
+            raise ConfigError(f"tree_topk={config.tree_topk} exceeds the draft vocabulary ({vocab} tokens)")
         self.target = target
         self.head = head
         self.config = config
@@ -128,6 +125,17 @@ class EagleDrafter(DrafterBase):
         self.block_size = 0
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.states: dict[str, _EagleState] = {}
+
+    @staticmethod
+    def _load_head(ctx: DrafterContext) -> torch.nn.Module:
+        loaded, _ = load_heads(str(ctx.model_dir), ctx.target.cfg, "eagle", ctx.dtype, ctx.device)
+        assert isinstance(loaded, EagleHead)
+        return loaded
+
+    @staticmethod
+    def _draft_vocab_size(head: torch.nn.Module, vocab_size: int) -> int:
+        """Tokens the head drafts from (EAGLE: the target's whole vocabulary)."""
+        return vocab_size
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         arch = self.head.arch
@@ -160,7 +168,21 @@ class EagleDrafter(DrafterBase):
 
     # ------------------------------------------------------------------ head
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[R, V']`` float32 of predicted hidden states ``[R, H]`` (EAGLE: the target's
+        LM head over its whole vocabulary, ``V' = V``)."""
         return self.target.logits(hidden.to(self.target.dtype))
+
+    def _to_target(self, indices: torch.Tensor) -> torch.Tensor:
+        """Target token ids of indices into :meth:`_logits`' columns (EAGLE: the same)."""
+        return indices
+
+    def _choose(
+        self, logits: torch.Tensor, batch: list[DraftInput], proposals: list[DraftProposal]
+    ) -> list[int]:
+        """One chain draft per row of ``logits`` ``[R, V']`` (row r drafts for ``batch[r]``, whose
+        ``proposals[r]`` holds its drafts so far): EAGLE drafts the top-1 token (``draft_probs`` stay
+        None: deterministic drafts)."""
+        return self._to_target(logits.argmax(dim=-1)).tolist()
 
     def _run(self, segments: list[Segment], features: torch.Tensor) -> torch.Tensor:
         """Head forward over paged segments whose ``token_ids`` are the ``x_{t+1}``; returns the predicted
@@ -202,9 +224,14 @@ class EagleDrafter(DrafterBase):
         feature = root_features
         active = list(range(len(drafting)))
         while active:
-            tokens = self._logits(feature).argmax(dim=-1).tolist()
-            for row in active:
-                proposals[drafting[row]].token_ids.append(tokens[row])
+            rows = torch.tensor(active, device=feature.device)
+            tokens = self._choose(
+                self._logits(feature[rows]),
+                [batch[drafting[r]] for r in active],
+                [proposals[drafting[r]] for r in active],
+            )
+            for row, token in zip(active, tokens):
+                proposals[drafting[row]].token_ids.append(token)
             active = [
                 r for r in active if len(proposals[drafting[r]].token_ids) < batch[drafting[r]].max_drafts
             ]
@@ -243,7 +270,7 @@ class EagleDrafter(DrafterBase):
         logp = torch.log_softmax(self._logits(root_feature[None]), dim=-1)[0]
         top = logp.topk(topk)
         frontier = []
-        for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+        for lp, t in zip(top.values.tolist(), self._to_target(top.indices).tolist()):
             frontier.append(len(tokens))
             tokens.append(t)
             parents.append(-1)
@@ -269,8 +296,9 @@ class EagleDrafter(DrafterBase):
             logp = torch.log_softmax(self._logits(out), dim=-1)
             top = logp.topk(topk)
             frontier = []
+            top_ids = self._to_target(top.indices)
             for r, c in enumerate(expand):
-                for lp, t in zip(top.values[r].tolist(), top.indices[r].tolist()):
+                for lp, t in zip(top.values[r].tolist(), top_ids[r].tolist()):
                     node_feature[len(tokens)] = out[r]
                     frontier.append(len(tokens))
                     tokens.append(t)

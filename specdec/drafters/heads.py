@@ -30,7 +30,7 @@ from specdec.errors import ConfigError, CorruptModelError
 from specdec.models.config import ModelArchConfig
 from specdec.models.decoder import DecoderLayer, rope_cos_sin
 
-HEAD_METHODS = ("medusa", "eagle")
+HEAD_METHODS = ("medusa", "eagle", "eagle3")
 #: Checkpoints shipped with the package, loaded by name (``SpeculativeConfig(model=<name>)``).
 BUILTIN_HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 
@@ -44,8 +44,11 @@ class HeadConfig:
         target: the target model it was trained for (a zoo name or a directory name).
         hidden_size, vocab_size: the target's; checked when the heads are loaded.
         num_heads: Medusa heads K (head k predicts k + 1 tokens ahead); 1 for EAGLE.
-        arch: EAGLE only: the target's :class:`ModelArchConfig` fields its decoder layer copies.
+        arch: EAGLE and EAGLE-3: the target's :class:`ModelArchConfig` fields its decoder layer copies.
         training: provenance: command, data and seed fingerprints, tokens, time, metrics.
+        draft_vocab_size: EAGLE-3 only: ``V_d`` (:mod:`specdec.drafters.eagle3_head`).
+        feature_layers: EAGLE-3 only: the three target layers whose input streams it fuses.
+        norm_before_residual: EAGLE-3 only: the ``speculators`` layer variant.
     """
 
     method: str
@@ -55,6 +58,9 @@ class HeadConfig:
     num_heads: int = 1
     arch: dict[str, Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)
+    draft_vocab_size: int | None = None
+    feature_layers: list[int] | None = None
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "num_heads"):
@@ -67,8 +73,18 @@ class HeadConfig:
             raise ConfigError(f"head method must be one of {HEAD_METHODS}, got {self.method!r}")
         if self.num_heads < 1:
             raise ConfigError(f"num_heads must be >= 1, got {self.num_heads}")
-        if self.method == "eagle" and self.arch is None:
-            raise ConfigError("an EAGLE head config needs the target's arch")
+        if self.method in ("eagle", "eagle3") and self.arch is None:
+            raise ConfigError(f"an {self.method} head config needs the target's arch")
+        if self.method == "eagle3":
+            if isinstance(self.draft_vocab_size, bool) or not isinstance(self.draft_vocab_size, int):
+                raise ConfigError(
+                    f"an eagle3 head config needs draft_vocab_size, got {self.draft_vocab_size!r}"
+                )
+            layers = self.feature_layers
+            if not isinstance(layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in layers
+            ):
+                raise ConfigError(f"an eagle3 head config needs feature_layers (integers), got {layers!r}")
 
 
 class MedusaHeads(nn.Module):
@@ -151,6 +167,13 @@ def build_heads(config: HeadConfig) -> nn.Module:
     if config.method == "medusa":
         return MedusaHeads(config.hidden_size, config.num_heads)
     assert config.arch is not None
+    if config.method == "eagle3":
+        from specdec.drafters.eagle3_head import Eagle3Head
+
+        assert config.draft_vocab_size is not None and config.feature_layers is not None
+        return Eagle3Head(
+            _arch(config.arch), config.draft_vocab_size, config.feature_layers, config.norm_before_residual
+        )
     return EagleHead(_arch(config.arch))
 
 
@@ -181,7 +204,10 @@ def save_heads(module: nn.Module, config: HeadConfig, directory: str | Path) -> 
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in module.state_dict().items()}
+    tensors = {  # integer and boolean buffers (EAGLE-3's vocabulary maps) keep their dtype
+        k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous().cpu()
+        for k, v in module.state_dict().items()
+    }
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
     return out
@@ -250,7 +276,45 @@ def load_heads(
         raise CorruptModelError(f"{directory}/config.json does not describe {method} heads: {e!r}") from e
     try:
         state = load_file(str(directory / "model.safetensors"))
-        module.load_state_dict({k: v.float() for k, v in state.items()})
+        module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     except (OSError, SafetensorError, RuntimeError) as e:
         raise CorruptModelError(f"cannot load head weights from {directory}: {e}") from e
-    return module.to(device=device, dtype=dtype).eval(), config
+    if config.method == "eagle3":
+        check_eagle3_fits(module, target, str(directory))
+    module = module.to(device=device, dtype=dtype).eval()
+    keep_rope_in_float32(module)
+    return module, config
+
+
+def keep_rope_in_float32(module: nn.Module) -> None:
+    """Give a head's RoPE ``inv_freq`` buffers back their float32 values after a ``.to(dtype)`` (as the
+    target keeps them, and transformers: in bfloat16, 0.1 becomes 0.10009765625 and the angles drift by
+    ~0.1 rad at position 1000)."""
+    for m in module.modules():
+        arch = getattr(m, "arch", None)
+        buf = getattr(m, "inv_freq", None)
+        if isinstance(buf, torch.Tensor) and arch is not None and buf.dtype != torch.float32:
+            m.inv_freq = torch.tensor(arch.inv_freq, dtype=torch.float32, device=buf.device)
+
+
+def check_eagle3_fits(head: nn.Module, target: ModelArchConfig, where: str) -> None:
+    """Check a loaded EAGLE-3 head against its target: vocabulary maps and feature layers.
+
+    Raises:
+        CorruptModelError: ``d2t``/``t2d`` do not describe an injective map into the vocabulary.
+        InvalidRequestError: feature layers outside the target's ``[0, num_layers]``.
+    """
+    from specdec.drafters.eagle3_head import Eagle3Head, check_vocab_maps
+    from specdec.errors import InvalidRequestError
+
+    assert isinstance(head, Eagle3Head)
+    try:
+        check_vocab_maps(head.d2t, head.t2d, target.vocab_size)
+    except ConfigError as e:
+        raise CorruptModelError(f"{where}: {e}") from e
+    bad = [i for i in head.feature_layers if not 0 <= i <= target.num_layers]
+    if bad:
+        raise InvalidRequestError(
+            f"{where}: EAGLE-3 feature layers {list(head.feature_layers)} do not fit a target of "
+            f"{target.num_layers} layers"
+        )

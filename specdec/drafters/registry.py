@@ -45,6 +45,7 @@ _BUILTIN_MODULES = (
     "specdec.drafters.draft_model",
     "specdec.drafters.medusa",
     "specdec.drafters.eagle",
+    "specdec.drafters.eagle3",
     "specdec.drafters.grammar_forced",
     "specdec.drafters.suffix",
     "specdec.drafters.hybrid",

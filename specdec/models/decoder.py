@@ -140,8 +140,25 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``; ``cos``/``sin`` ``[T, 1, head_dim]``
         (this layer's RoPE); the cache and backend as :meth:`DecoderLM.forward`."""
+        return self.block(
+            hidden, self.input_layernorm(hidden), cos, sin, k_cache, v_cache, metadata, attention
+        )
+
+    def block(
+        self,
+        hidden: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        """Attention on the normalised input ``x`` ``[T, qkv_proj.in_features]`` added to the residual
+        ``hidden`` ``[T, hidden_size]``, then the MLP: the layer after its input norm (an EAGLE-3 layer
+        feeds its own ``x``)."""
         num_tokens = hidden.shape[0]
-        x = self.input_layernorm(hidden)
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # RoPE on the query and key heads in one go; values pass through.
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
@@ -187,6 +204,23 @@ class DecoderLM(nn.Module):
         local = None if cfg.local_inv_freq is None else torch.tensor(cfg.local_inv_freq, dtype=torch.float32)
         self.register_buffer("local_inv_freq", local, persistent=False)
         self.local_rope_layers = [cfg.uses_local_rope(i) for i in range(cfg.num_layers)]
+        #: Layers whose input residual stream is returned as the features instead of the final-norm
+        #: hidden state (EAGLE-3's low, middle and high layers; set by the engine for its drafter).
+        self.feature_layers: tuple[int, ...] = ()
+
+    def set_feature_layers(self, layers: Sequence[int]) -> None:
+        """Return as features the residual streams entering ``layers`` (concatenated in that order,
+        ``[T, len(layers) * hidden_size]``; an index equal to ``num_layers`` is the last layer's output
+        before the final norm) instead of the final-norm hidden state; ``()`` restores the default.
+
+        Raises:
+            ValueError: an index outside ``[0, num_layers]``.
+        """
+        layers = tuple(int(i) for i in layers)
+        bad = [i for i in layers if not 0 <= i <= self.cfg.num_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad} outside [0, {self.cfg.num_layers}]")
+        self.feature_layers = layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -220,12 +254,14 @@ class DecoderLM(nn.Module):
             all_hidden: return the hidden states of every row, not only of the logits rows.
 
         Returns:
-            ``(logits, hidden)``: ``logits`` ``[R, vocab_size]`` float32, and ``hidden`` the final-norm
-            hidden states (the features learned drafters read): ``[R, hidden_size]`` at the logits rows,
-            or ``[T, hidden_size]`` at every row when ``all_hidden``.
+            ``(logits, hidden)``: ``logits`` ``[R, vocab_size]`` float32, and ``hidden`` the features
+            learned drafters read: the final-norm hidden states, or with :attr:`feature_layers` the
+            concatenated residual streams entering those layers (``F = len(feature_layers) *
+            hidden_size`` columns instead of ``hidden_size``): ``[R, F]`` at the logits rows, or ``[T,
+            F]`` at every row when ``all_hidden``.
         """
-        hidden = self.layer_stack(input_ids, positions, kv_caches, metadata, attention)
-        return self.final(hidden, logits_indices, all_hidden)
+        hidden, aux = self.layer_stack(input_ids, positions, kv_caches, metadata, attention)
+        return self.final(hidden, logits_indices, all_hidden, aux)
 
     def layer_stack(
         self,
@@ -234,10 +270,11 @@ class DecoderLM(nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
         attention: AttentionBackend | Sequence[AttentionBackend],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embedding, RoPE and every decoder layer: the residual stream ``[T, hidden_size]`` before the
-        final norm. ``attention`` is one backend for every layer, or one per layer (the compiled forward
-        of :mod:`specdec.compilation` passes per-layer custom-op calls, with no caches or metadata)."""
+        final norm, and the :attr:`feature_layers` streams concatenated ``[T, F]`` (None when unset).
+        ``attention`` is one backend for every layer, or one per layer (the compiled forward of
+        :mod:`specdec.compilation` passes per-layer custom-op calls, with no caches or metadata)."""
         hidden = self.embed_tokens(input_ids)
         if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the activation dtype first
             hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
@@ -247,12 +284,18 @@ class DecoderLM(nn.Module):
                 positions, self.local_inv_freq, self.cfg.local_rope_attention_scaling, hidden.dtype
             )
         per_layer = attention if isinstance(attention, Sequence) else [attention] * len(self.layers)
-        for layer, (k_cache, v_cache), attn, local in zip(
-            self.layers, kv_caches, per_layer, self.local_rope_layers
+        streams: dict[int, torch.Tensor] = {}
+        for i, (layer, (k_cache, v_cache), attn, local) in enumerate(
+            zip(self.layers, kv_caches, per_layer, self.local_rope_layers)
         ):
+            if i in self.feature_layers:
+                streams[i] = hidden
             cos, sin = rope[local]
             hidden = layer(hidden, cos, sin, k_cache, v_cache, metadata, attn)
-        return hidden
+        if not self.feature_layers:
+            return hidden, None
+        streams[len(self.layers)] = hidden
+        return hidden, torch.cat([streams[i] for i in self.feature_layers], dim=-1)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """LM head on final-norm hidden states ``[R, hidden_size]`` -> float32 ``[R, vocab_size]``,
@@ -262,10 +305,19 @@ class DecoderLM(nn.Module):
         return out if cap is None else softcap(out, cap)
 
     def final(
-        self, hidden: torch.Tensor, logits_indices: torch.Tensor | None, all_hidden: bool = False
+        self,
+        hidden: torch.Tensor,
+        logits_indices: torch.Tensor | None,
+        all_hidden: bool = False,
+        aux: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Final norm and LM head on the residual stream ``hidden`` ``[T, hidden_size]``; see
-        :meth:`forward` for ``logits_indices``, ``all_hidden`` and the returned shapes."""
+        :meth:`forward` for ``logits_indices``, ``all_hidden`` and the returned shapes; ``aux`` ``[T,
+        F]`` (the :attr:`feature_layers` streams) replaces the final-norm features when given."""
+        if aux is not None:
+            rows = hidden if logits_indices is None else hidden[logits_indices]
+            logits = self.logits(self.norm(rows))
+            return logits, (aux if all_hidden or logits_indices is None else aux[logits_indices])
         if all_hidden:
             hidden = self.norm(hidden)
             rows = hidden if logits_indices is None else hidden[logits_indices]

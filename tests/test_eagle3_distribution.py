@@ -1,0 +1,143 @@
+"""EAGLE-3 with a reduced draft vocabulary samples exactly the target's distribution.
+
+The set-up of :mod:`tests.test_spec_distribution` (a tiny random Llama with a vocabulary of 8, the exact
+joint distribution of the first three generated tokens enumerated in float64, mixed batches of seeded,
+unseeded and greedy requests at temperatures 0.7 / 1.0 / 1.5, chi-square at ``alpha = 1e-3``), with a
+random EAGLE-3 head whose draft vocabulary holds 5 of the 8 tokens, fusing the target's three layer
+streams (0, 1, 2):
+
+- chains: sampled requests draw each draft from the head's processed distribution, zero outside the
+  draft vocabulary, and report it as ``draft_probs``; greedy requests draft the top token;
+- EAGLE-2 trees: deterministic top-k children (no ``draft_probs``), verified by SpecInfer's rule.
+
+40,000 sampled requests per mode. Negative control (must fail the same test): the drafter samples from
+the masked distribution but reports the *unmasked* one (the tokens outside the draft vocabulary given
+the lowest draft logit instead of -inf), the bug a reduced vocabulary invites; 5,000 requests at T = 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM
+from specdec.drafters.eagle3_head import Eagle3Head
+from specdec.drafters.heads import HeadConfig, arch_fields, save_heads
+from specdec.models.config import ModelArchConfig
+from tests.conftest import first_three_logits, save_target_and_draft
+from tests.stats import ALPHA, assert_differs
+from tests.test_spec_distribution import (
+    BATCH,
+    NUM_GREEDY,
+    PROMPT,
+    TEMPERATURES,
+    V,
+    check_all,
+    exact_joint,
+    sample_counts,
+)
+
+K = 2
+NUM_CALLS = 16  # 40,000 sampled requests per mode
+NUM_CONTROL_CALLS = 2
+DRAFT_VOCAB = [0, 2, 3, 5, 6]
+
+pytestmark = pytest.mark.usefixtures("fast_cpu_settings")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3_dist")
+    target = save_target_and_draft(root, V, 1, 2)
+    logits = first_three_logits(target, PROMPT, V)
+    exact = {t: exact_joint(logits, t) for t in TEMPERATURES}
+    l1, l2, l3 = logits
+    a = int(l1.argmax())
+    b = int(l2[a].argmax())
+    greedy = [a, b, int(l3[a, b].argmax())]
+    arch = ModelArchConfig.from_pretrained(root / "target")
+    torch.manual_seed(11)
+    head = Eagle3Head(arch, len(DRAFT_VOCAB), (0, 1, 2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    head.set_vocab(DRAFT_VOCAB)
+    cfg = HeadConfig(
+        method="eagle3",
+        target="tiny",
+        hidden_size=arch.hidden_size,
+        vocab_size=arch.vocab_size,
+        arch=arch_fields(arch),
+        draft_vocab_size=len(DRAFT_VOCAB),
+        feature_layers=[0, 1, 2],
+    )
+    save_heads(head, cfg, root / "head")
+    return {"target": root / "target", "head": root / "head", "exact": exact, "greedy": greedy}
+
+
+def make_llm(setup, tree: bool) -> LLM:
+    spec = {"method": "eagle3", "model": str(setup["head"]), "num_speculative_tokens": K}
+    if tree:
+        spec.update(tree="dynamic", tree_topk=2, max_tree_nodes=4)
+    n = BATCH + NUM_GREEDY
+    return LLM(
+        setup["target"],
+        skip_tokenizer_init=True,
+        speculative_config=spec,
+        seed=4321,
+        block_size=4,
+        num_kv_blocks=4 * n + 16,
+        max_model_len=32,
+        max_num_seqs=n,
+        max_num_batched_tokens=n * (len(PROMPT) + 8),
+    )
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_eagle3_reduced_vocabulary_output_distribution_matches_target(setup, tree, monkeypatch):
+    import specdec.drafters.eagle3 as eagle3
+
+    drafted: list[int] = []
+    with_probs = []
+    draw = eagle3.draw_draft_tokens
+
+    def recording(logits, reqs, drafts, bitmasks, generator):
+        tokens, probs = draw(logits, reqs, drafts, bitmasks, generator)
+        drafted.extend(tokens)
+        with_probs.extend(p for p in probs if p is not None)
+        return tokens, probs
+
+    monkeypatch.setattr(eagle3, "draw_draft_tokens", recording)
+    llm = make_llm(setup, tree)
+    counts = sample_counts(llm, NUM_CALLS, seed_base=7 * 10**6, greedy_chain=setup["greedy"])
+    label = f"eagle3 {'tree' if tree else 'chain'}"
+    check_all(setup, counts, label)
+    stats = llm.engine.spec_stats
+    print(f"[spec] {label}: {stats.as_dict()}")
+    assert stats.num_drafts > NUM_CALLS * BATCH // 4
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_position[1] > 0
+    outside = [t for t in range(V) if t not in DRAFT_VOCAB]
+    if not tree:  # sampled chains: drafts and their distributions stay in the draft vocabulary
+        assert len(with_probs) > NUM_CALLS * BATCH // 4 and set(drafted) <= set(DRAFT_VOCAB)
+        assert max(float(p[outside].max()) for p in with_probs[:2000]) == 0.0
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_unmasked_draft_probs_fail_the_same_test(setup, monkeypatch):
+    import specdec.drafters.eagle3 as eagle3
+
+    draw = eagle3.draw_draft_tokens
+
+    def lying(logits, reqs, drafts, bitmasks, generator):
+        tokens, probs = draw(logits, reqs, drafts, bitmasks, generator)
+        masked = torch.isinf(logits)
+        lowest = logits.masked_fill(masked, float("inf")).amin(-1, keepdim=True)
+        unmasked = torch.softmax(torch.where(masked, lowest, logits), dim=-1)  # T = 1: no other processing
+        return tokens, [None if p is None else unmasked[i] for i, p in enumerate(probs)]
+
+    monkeypatch.setattr(eagle3, "draw_draft_tokens", lying)
+    llm = make_llm(setup, tree=False)
+    counts = sample_counts(llm, NUM_CONTROL_CALLS, seed_base=9 * 10**6, temperatures=(1.0,))
+    res = assert_differs(setup["exact"][1.0], counts[1.0], label="control: unmasked draft_probs, T=1.0")
+    assert res.pvalue < ALPHA * 1e-3
