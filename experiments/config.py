@@ -896,7 +896,9 @@ class TrainDataConfig:
             see :func:`experiments.instruct.load_instruct`).
         feature_layers: None stores the final-norm features ``[L, H]`` (Medusa, EAGLE); a list stores
             the residual streams entering those target layers, then the final-norm features, ``[L, (n +
-            1) H]``, and the target's top token at every position (EAGLE-3; ``[]``: its default layers).
+            1) H]``, and the target's top token at every position (EAGLE-3; ``[]``: its default layers;
+            ``drafter=eagle3`` sets ``[]`` when None). Medusa and EAGLE train on such data too (its
+            final-norm part), so all three heads can share one cached data set.
     """
 
     builtin_limit: int | None = None
@@ -1593,8 +1595,6 @@ def validate_train_config(cfg: TrainConfig) -> None:
             "train.eagle3_ttt_steps and train.eagle3_draft_vocab_size must be >= 1, train.eagle3_step_decay "
             f"in (0, 1]; got {t.eagle3_ttt_steps}, {t.eagle3_draft_vocab_size}, {t.eagle3_step_decay}"
         )
-    if data.feature_layers is not None and d.method != "eagle3":
-        raise ValueError(f"data.feature_layers is for drafter=eagle3 (its fused layers), not {d.method}")
     if data.feature_layers is not None and any(
         isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in data.feature_layers
     ):

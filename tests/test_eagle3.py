@@ -370,7 +370,7 @@ def test_eagle3_trains_saves_reloads_and_drafts(tmp_path):
     """``python -m experiments.train drafter=eagle3`` on a tiny target: data with the fused layers and
     the target's top tokens, a draft vocabulary from the training split, the training-time test; the
     checkpoint reloads (our layout) to the trained weights and drafts greedy-exactly; an EAGLE-1 run on
-    the same prompts reuses the generated responses."""
+    the same prompts reuses the generated responses, a Medusa run the EAGLE-3 data itself."""
     from hydra import compose, initialize_config_module
 
     from experiments.config import register_configs, to_train_config
@@ -415,10 +415,12 @@ def test_eagle3_trains_saves_reloads_and_drafts(tmp_path):
             "train.eagle3_draft_vocab_size=48",
             "train.eagle3_ttt_steps=3",
         )
-        with pytest.raises(ValueError, match=r"data\.feature_layers is for drafter=eagle3"):
-            cfg("eagle", "train.epochs=1", "data.feature_layers=[0,1,2]")
         summary = run_training(e3, tmp_path / "run", prompt_ids=prompts)
         eagle = run_training(cfg("eagle", "train.epochs=1"), None, prompt_ids=prompts)
+        # Medusa on the EAGLE-3 data itself (its final-norm part): the cached data, not featurised again
+        medusa = run_training(
+            cfg("medusa", "train.epochs=1", "data.feature_layers=[0,1,2]"), None, prompt_ids=prompts
+        )
     assert summary["final_train_loss"] < 0.8 * summary["initial_train_loss"]
     m = summary["final_metrics"]
     assert len(m["top1_per_step"]) == 3 and 0.5 < m["draft_vocab_coverage"] <= 1.0
@@ -426,6 +428,7 @@ def test_eagle3_trains_saves_reloads_and_drafts(tmp_path):
     h = 64
     assert data.top_tokens is not None and all(f.shape[1] == 4 * h for f in data.features)
     assert eagle["responses_cached"] and not eagle["data_cached"]  # same responses, other features
+    assert medusa["data_cached"] and medusa["data_fingerprint"] == summary["data_fingerprint"]
     target = FrozenTarget.load(target_dir)
     head, config = load_eagle3_head(tmp_path / "eagle3", target.arch, torch.float32)
     assert (config.draft_vocab_size, config.feature_layers) == (48, [0, 1, 2])
@@ -439,3 +442,24 @@ def test_eagle3_trains_saves_reloads_and_drafts(tmp_path):
     base, _ = _run(target_dir, prompts4, [20, 24, 28])
     got, llm = _run(target_dir, prompts4, [20, 24, 28], dict(CHAIN, model=str(tmp_path / "eagle3")))
     assert got == base and llm.engine.spec_stats.num_drafts > 0
+
+
+def test_compiled_target_hands_over_the_fused_layers(perm_setup):
+    """On a compiled target (piecewise torch.compile) the feature streams come out of the compiled graph:
+    the copying head's first drafts are still all accepted, and outputs equal eager plain decoding."""
+    prompts = _prompts(3, PERM_VOCAB)
+    max_tokens = [17, 21, 25]
+    base, _ = _run(perm_setup / "target", prompts, max_tokens)
+    llm = LLM(
+        perm_setup / "target",
+        skip_tokenizer_init=True,
+        block_size=4,
+        compile={"buckets": [8, 64]},
+        speculative_config=dict(CHAIN, model=str(perm_setup / "head")),
+    )
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == base
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.accepted_per_position[0] == stats.drafted_per_position[0]
+    assert llm.engine.runner.compile_stats.compiled_calls > 0

@@ -76,6 +76,13 @@ class DistilData:
             None if self.top_tokens is None else [self.top_tokens[i] for i in keep],
         )
 
+    def final_features(self, hidden_size: int) -> DistilData:
+        """The same sequences with only the final-norm features ``[L, H]`` (the last ``hidden_size``
+        columns of EAGLE-3 data; data without fused layers is returned as it is)."""
+        if self.top_tokens is None:
+            return self
+        return replace(self, features=[f[:, -hidden_size:] for f in self.features], top_tokens=None)
+
     @property
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)

@@ -79,8 +79,10 @@ def run_training(
 
         skip_tokenizer_init = not has_tokenizer(cfg.model.name)
         data = prepare_data(cfg, prompts, ids, model_dir, skip_tokenizer_init=skip_tokenizer_init)
-        train, heldout = _split(data)
         target = FrozenTarget.load(model_dir, cfg.train.device)
+        if cfg.drafter.method != "eagle3":  # Medusa and EAGLE read the final-norm features only
+            data = data.final_features(target.arch.hidden_size)
+        train, heldout = _split(data)
         provenance = init_provenance(cfg.train.init_from)  # read before install may overwrite them
         result, num_heads, arch, extra = train_heads(cfg, target, train, heldout, tracker)
         out_dir = default_out_dir(cfg, run_dir)

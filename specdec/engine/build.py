@@ -92,8 +92,9 @@ def build_engine_parts(
         draft_dtype = resolve_dtype(spec.draft_dtype or dtype)
         ctx = DrafterContext(model, spec, model_dir_of_drafter, draft_dtype, device, generator, compilation)
         drafter = build_drafter(ctx)
-        # EAGLE-3 reads the target's residual streams at chosen layers instead of its final features.
-        model.set_feature_layers(getattr(drafter, "feature_layers", None) or ())
+    # EAGLE-3 reads the target's residual streams at chosen layers instead of its final features (reset
+    # otherwise: a model object may be reused by another engine).
+    model.set_feature_layers(getattr(drafter, "feature_layers", None) or ())
     bs = cache_config.block_size
     num_blocks = cache_config.num_kv_blocks
     if num_blocks is None:
