@@ -251,7 +251,7 @@ def test_prefix_caching_and_preemption(random_setup, name):
 
 @pytest.mark.real_model
 def test_smollm2_with_our_heads_greedy_equality(smollm2_dir, smol_reference):
-    """The packaged SmolLM2 with the built-in Medusa and EAGLE heads (loaded by name), chains and trees,
+    """The packaged SmolLM2 with the built-in Medusa, EAGLE and EAGLE-3 heads (loaded by name), chains and trees,
     batch 1 and 5, float32: output equals transformers' greedy decoding token for token."""
     prompts, refs = smol_reference
     specs = [
@@ -259,6 +259,8 @@ def test_smollm2_with_our_heads_greedy_equality(smollm2_dir, smol_reference):
         {"method": "medusa", "num_speculative_tokens": 4, "tree": "static"},
         {"method": "eagle", "num_speculative_tokens": 4},
         {"method": "eagle", "num_speculative_tokens": 5, "tree": "dynamic"},
+        {"method": "eagle3", "num_speculative_tokens": 4},
+        {"method": "eagle3", "num_speculative_tokens": 5, "tree": "dynamic"},
     ]
     sp = SamplingParams(temperature=0, max_tokens=64)
     for spec in specs:
