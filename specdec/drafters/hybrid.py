@@ -198,13 +198,20 @@ class HybridDrafter(DrafterBase):
                 stats.num_accepted_tokens += n
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The member whose proposal was submitted this step is told the verified counts (its proposal
+        was the step's whole proposal); every other member ``(0, 0)``, as the engine tells a drafter
+        whose proposal it did not verify."""
         state = self.states.get(request.request_id)
         step = None if state is None else state.pending
-        if step is not None and step.chosen >= 0 and not step.counted and num_drafts:
+        chosen = -1 if step is None else step.chosen
+        if step is not None and chosen >= 0 and not step.counted and num_drafts:
             step.counted = True
-            self._count_accepted(request, step.chosen, num_accepted)
-        for m in self.members:  # members are model-free: nothing of theirs depends on who drafted
-            m.on_verified(request, 0, 0)
+            self._count_accepted(request, chosen, num_accepted)
+        for i, m in enumerate(self.members):
+            if i == chosen:
+                m.on_verified(request, num_drafts, num_accepted)
+            else:
+                m.on_verified(request, 0, 0)
 
     def observe(self, request, start_position, hidden_states) -> None:
         for m in self.members:
