@@ -237,3 +237,41 @@ def test_hydra_and_cli_take_suffix_and_hybrid():
     SpeculativeConfig(**spec)
     args = build_parser().parse_args(["generate", "--drafter", "suffix", "--suffix-share-across-requests"])
     assert args.drafter == "suffix" and args.suffix_share_across_requests
+
+
+def test_per_request_metrics_have_the_hybrids_keys():
+    """Issue #11: ``method="suffix"`` fills ``request.drafter_metrics["suffix"]`` (``metrics["drafter"]``)
+    with the figures the hybrid reports per member; as a hybrid member it leaves them to the hybrid."""
+    from specdec.drafters.base import DraftInput
+    from specdec.drafters.draft_stats import MemberStats
+
+    d = _drafter(k=4)
+    req = _request([1, 2, 3, 4, 5, 6, 1, 2])
+    (p,) = d.propose([DraftInput(req, 8, 4)])
+    assert p.token_ids == [3, 4]
+    req.token_ids.extend([3, 9])  # one accepted, then 9
+    d.on_verified(req, 2, 1)
+    (p,) = d.propose([DraftInput(req, 1, 4)])  # no earlier 9: nothing drafted
+    assert p.token_ids == []
+    req.token_ids.extend([5])
+    d.on_verified(req, 0, 0)
+    req.token_ids.extend([6, 1, 2])
+    (p,) = d.propose([DraftInput(req, 1, 4)])
+    assert p.token_ids == [3, 9, 5, 6]  # what followed 5 6 1 2
+    req.token_ids.extend([3, 9])  # the request's last step (max_tokens): no on_verified
+    _finish(d, req)
+    assert set(req.drafter_metrics) == {"suffix"}
+    assert req.drafter_metrics["suffix"] == MemberStats(
+        num_chosen=2, num_draft_tokens=6, num_accepted_tokens=3, hindsight_accepted=3
+    )
+
+    from specdec.drafters.hybrid import HybridDrafter
+
+    config = SpeculativeConfig("hybrid", 4, hybrid_members=["suffix"])
+    hybrid = HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
+    req = _request([1, 2, 3, 4, 5, 6, 1, 2], "h")
+    hybrid.propose([DraftInput(req, 8, 4)])
+    req.token_ids.extend([3, 9])
+    hybrid.on_verified(req, 2, 1)
+    assert set(req.drafter_metrics) == {"suffix"}
+    assert req.drafter_metrics["suffix"] == MemberStats(1, 2, 1, 0)  # the hybrid's counts only
