@@ -94,6 +94,12 @@ class DrafterConfig:
     def _method_config(self) -> dict[str, Any] | None:
         raise NotImplementedError
 
+    def field_keys(self) -> dict[str, str]:
+        """The ``SpeculativeConfig`` fields this option sets from keys of other names: field -> key (under
+        ``drafter.``), so that an error names the key the user typed; fields not listed are keys of the
+        same name."""
+        return {}
+
 
 @dataclass
 class NoDrafterConfig(DrafterConfig):
@@ -171,6 +177,11 @@ class SuffixDrafterConfig(DrafterConfig):
         """``{"method": "suffix", ...}`` for ``specdec.LLM``."""
         return {"method": "suffix", **self._suffix_fields()}
 
+    def field_keys(self) -> dict[str, str]:
+        """``suffix_<key>`` is set from ``drafter.<key>``."""
+        keys = ("max_match", "min_token_prob", "spec_factor", "cache_max_nodes", "share_across_requests")
+        return {f"suffix_{k}": k for k in keys}
+
 
 @dataclass
 class HybridDrafterConfig(SuffixDrafterConfig):
@@ -196,6 +207,10 @@ class HybridDrafterConfig(SuffixDrafterConfig):
             "prompt_lookup_min": self.prompt_lookup_min,
             **self._suffix_fields(),
         }
+
+    def field_keys(self) -> dict[str, str]:
+        """The suffix keys', and ``hybrid_members`` from ``drafter.members``."""
+        return {**super().field_keys(), "hybrid_members": "members"}
 
 
 @dataclass
@@ -1056,30 +1071,33 @@ def register_configs() -> None:
             cs.store(group=f"schema/{group}", name=name.removesuffix("_schema"), node=node)
 
 
-def _keyed(prefix: str, err: Exception) -> str:
+def _keyed(prefix: str, err: Exception, keys: dict[str, str] | None = None) -> str:
     """A ``SpeculativeConfig`` error's message prefixed with the config key it is about:
-    ``<prefix>.<message>`` when the message starts with the name of a field, else ``<prefix>: <message>``
+    ``<prefix>.<message>`` when the message starts with the name of a field (renamed to its key by
+    ``keys``, field -> key: ``suffix_spec_factor`` -> ``spec_factor``), else ``<prefix>: <message>``
     (``<prefix>.method: ...`` for an unknown method)."""
     from specdec.config import SpeculativeConfig
 
     message = str(err)
     head = re.split(r"[ =:]", message, maxsplit=1)[0]
     if head in SpeculativeConfig.__dataclass_fields__:
-        return f"{prefix}.{message}"
+        key = (keys or {}).get(head, head)
+        return f"{prefix}.{key}{message[len(head) :]}"
     if message.startswith("speculative method must be one of"):
         return f"{prefix}.method: {message}"
     return f"{prefix}: {message}"
 
 
-def _speculative_config(spec: dict[str, Any], prefix: str) -> Any:
+def _speculative_config(spec: dict[str, Any], prefix: str, keys: dict[str, str] | None = None) -> Any:
     """``SpeculativeConfig.from_any(spec)``: every drafter check is the library's; a ``ValueError``
-    is re-raised with the key prefixed (see :func:`_keyed`)."""
+    is re-raised with the key prefixed (see :func:`_keyed`; ``keys``: fields set from keys of other
+    names, field -> key)."""
     from specdec.config import SpeculativeConfig
 
     try:
         return SpeculativeConfig.from_any(spec)
     except ValueError as e:
-        raise ValueError(_keyed(prefix, e)) from None
+        raise ValueError(_keyed(prefix, e, keys)) from None
 
 
 def _local_model_dir(model: str) -> Path | None:
@@ -1286,7 +1304,7 @@ def validate_config(cfg: ExperimentConfig) -> None:
     spec = d.speculative_config()
     if spec is not None:
         try:
-            config = _speculative_config(spec, "drafter")
+            config = _speculative_config(spec, "drafter", d.field_keys())
         except ValueError as e:
             if (
                 isinstance(d, RegisteredDrafterConfig)

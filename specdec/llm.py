@@ -336,7 +336,7 @@ class LLM:
             metrics.update(req.spec_stats.as_dict())
             for key in ("draft_time_s", "verify_time_s"):  # measured per step, not per request
                 metrics.pop(key)
-        if req.drafter_metrics is not None:  # e.g. the hybrid drafter's counts per member
+        if req.drafter_metrics is not None:  # the hybrid's counts per member, suffix decoding's own
             metrics["drafter"] = {
                 k: dict(vars(v)) if hasattr(v, "__dict__") else v for k, v in req.drafter_metrics.items()
             }

@@ -91,7 +91,7 @@ class Request:
         self.num_streamed_tokens = 0
         #: Acceptance counters when speculative decoding is on.
         self.spec_stats: SpecStats | None = None
-        #: A drafter's own per-request counters (the hybrid's per-member counts), or None.
+        #: A drafter's own per-request counters (the hybrid's per member, suffix decoding's), or None.
         self.drafter_metrics: dict | None = None
         #: Per generated token, its log-probabilities (``sampling_params.logprobs`` set), and their sum.
         self.logprobs: list[dict[int, Logprob]] | None = [] if sampling_params.logprobs is not None else None

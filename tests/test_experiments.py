@@ -420,6 +420,39 @@ def test_invalid_values_fail_before_loading(hydra_conf, override, message):
         load_cfg(*override.split(" "))
 
 
+@pytest.mark.parametrize(
+    "overrides, message, field",
+    [
+        (
+            ["drafter=suffix", "drafter.spec_factor=0"],
+            r"drafter\.spec_factor must be a finite number > 0",
+            "suffix_",
+        ),
+        (
+            ["drafter=hybrid", "drafter.max_match=0"],
+            r"drafter\.max_match must be an integer in \[1, 64\]",
+            "suffix_",
+        ),
+        (
+            ["drafter=hybrid", "drafter.members=[suffix,suffix]"],
+            r"drafter\.members must be distinct",
+            "hybrid_",
+        ),
+        (
+            ["drafter=hybrid", "drafter.members=[eagle]"],
+            r"drafter\.members: 'eagle' needs a model",
+            "hybrid_",
+        ),
+    ],
+)
+def test_suffix_and_hybrid_errors_name_the_hydra_key(hydra_conf, overrides, message, field):
+    """Issue #7: the key the user typed (``drafter.spec_factor``), not the ``SpeculativeConfig`` field it
+    sets (``suffix_spec_factor``)."""
+    with pytest.raises(ValueError, match=f"^{message}") as info:
+        load_cfg(*overrides)
+    assert field not in str(info.value)
+
+
 def test_registered_drafter_runs_by_name(hydra_conf):
     """``drafter=registered drafter.method=<name>``: a drafter registered outside the library, its fields
     passed through to ``speculative_config`` and checked by the library."""

@@ -104,6 +104,56 @@ def test_cache_stays_within_its_node_budget_and_evicts_least_recently_used(seqs,
             assert list(cache.entries) == before  # refused without evicting anything
 
 
+def _stale_nodes(cache: SuffixCache) -> list[tuple[list[int], int]]:
+    """``(path, seq)`` of every node of the cache whose ``seq`` is not a cached sequence containing the
+    node's string."""
+    bad = []
+
+    def walk(node, path: list[int]) -> None:
+        for t, child in (node.children or {}).items():
+            kept = cache.entries.get(child.seq)
+            p = [*path, t]
+            if kept is None or not any(kept[i : i + len(p)] == p for i in range(len(kept))):
+                bad.append((p, child.seq))
+            walk(child, p)
+
+    walk(cache.trie.root, [])
+    return bad
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=sequences, max_nodes=st.integers(1, 80), touches=st.lists(st.integers(0, 11), max_size=6))
+def test_after_evictions_every_node_names_a_live_sequence_through_it(seqs, max_nodes, touches):
+    """Issue #8: a node's ``seq`` (the sequence a draft from it touches) never names an evicted sequence:
+    eviction re-points the nodes that named it to a live sequence through them."""
+    cache = SuffixCache(3, max_nodes)
+    for i, seq in enumerate(seqs):
+        for t in touches[i % 2 :: 2]:  # older sequences become recently used: LRU order is not id order
+            cache.touch(t)
+        cache.add(seq)
+        assert _stale_nodes(cache) == []
+        for node, ends in cache._ends.items():  # its records of sequence ends: live nodes and sequences
+            assert node.count > 0 and all(
+                i in cache.entries for i in ([ends] if isinstance(ends, int) else ends)
+            )
+    while cache.entries:
+        cache.evict()
+        assert _stale_nodes(cache) == []
+    assert not cache._ends and cache.num_nodes == 0
+
+
+def test_drafting_after_an_eviction_touches_a_live_source():
+    d = _drafter(suffix_share_across_requests=True, suffix_cache_max_nodes=40, suffix_max_match=2, k=1)
+    _finish(d, _request([7, 8, 9, 10], "a"))  # 9 nodes (depth 3)
+    _finish(d, _request([7, 8, 9, 10, 11], "b"))  # 3 more; every node of a now names b, the latest
+    d.cache.touch(0)  # a is used: b is now the least recently used
+    _finish(d, _request(list(range(20, 31)), "c"))  # 30 nodes: b is evicted, a fits
+    assert list(d.cache.entries) == [0, 2] and d.cache.trie.find([7, 8]).count == 1
+    assert d.cache.trie.find([7, 8]).seq == 0  # a, not the evicted b
+    assert d.draft(_request([1, 7, 8], "q"), 1, 0).token_ids == [9]
+    assert list(d.cache.entries) == [2, 0]  # a, the source, was touched
+
+
 def test_drafting_from_the_cache_touches_the_source():
     d = _drafter(suffix_share_across_requests=True, suffix_cache_max_nodes=200)
     first = _request([7, 8, 9, 10, 11, 12], "a")
@@ -237,3 +287,41 @@ def test_hydra_and_cli_take_suffix_and_hybrid():
     SpeculativeConfig(**spec)
     args = build_parser().parse_args(["generate", "--drafter", "suffix", "--suffix-share-across-requests"])
     assert args.drafter == "suffix" and args.suffix_share_across_requests
+
+
+def test_per_request_metrics_have_the_hybrids_keys():
+    """Issue #11: ``method="suffix"`` fills ``request.drafter_metrics["suffix"]`` (``metrics["drafter"]``)
+    with the figures the hybrid reports per member; as a hybrid member it leaves them to the hybrid."""
+    from specdec.drafters.base import DraftInput
+    from specdec.drafters.draft_stats import MemberStats
+
+    d = _drafter(k=4)
+    req = _request([1, 2, 3, 4, 5, 6, 1, 2])
+    (p,) = d.propose([DraftInput(req, 8, 4)])
+    assert p.token_ids == [3, 4]
+    req.token_ids.extend([3, 9])  # one accepted, then 9
+    d.on_verified(req, 2, 1)
+    (p,) = d.propose([DraftInput(req, 1, 4)])  # no earlier 9: nothing drafted
+    assert p.token_ids == []
+    req.token_ids.extend([5])
+    d.on_verified(req, 0, 0)
+    req.token_ids.extend([6, 1, 2])
+    (p,) = d.propose([DraftInput(req, 1, 4)])
+    assert p.token_ids == [3, 9, 5, 6]  # what followed 5 6 1 2
+    req.token_ids.extend([3, 9])  # the request's last step (max_tokens): no on_verified
+    _finish(d, req)
+    assert set(req.drafter_metrics) == {"suffix"}
+    assert req.drafter_metrics["suffix"] == MemberStats(
+        num_chosen=2, num_draft_tokens=6, num_accepted_tokens=3, hindsight_accepted=3
+    )
+
+    from specdec.drafters.hybrid import HybridDrafter
+
+    config = SpeculativeConfig("hybrid", 4, hybrid_members=["suffix"])
+    hybrid = HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
+    req = _request([1, 2, 3, 4, 5, 6, 1, 2], "h")
+    hybrid.propose([DraftInput(req, 8, 4)])
+    req.token_ids.extend([3, 9])
+    hybrid.on_verified(req, 2, 1)
+    assert set(req.drafter_metrics) == {"suffix"}
+    assert req.drafter_metrics["suffix"] == MemberStats(1, 2, 1, 0)  # the hybrid's counts only

@@ -94,18 +94,23 @@ def test_greedy_output_equals_plain_decoding(setup, method, tree, share, policy)
         assert drafter.num_global_drafts > 0
 
 
-def test_hybrid_metrics_say_which_member_drafted(setup):
+@pytest.mark.parametrize("method, names", [("hybrid", {"suffix", "ngram"}), ("suffix", {"suffix"})])
+def test_per_request_drafter_metrics_say_which_member_drafted(setup, method, names):
+    """``metrics["drafter"]``: the hybrid's figures per member; suffix decoding alone reports the same
+    figures under its own name (issue #11)."""
     llm = LLM(
         setup["target"],
         skip_tokenizer_init=True,
         block_size=4,
-        speculative_config=_spec("hybrid", False, False),
+        speculative_config=_spec(method, False, False),
     )
     out = llm.generate(
         {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     )[0]
     members = out.metrics["drafter"]
-    assert set(members) == {"suffix", "ngram"}
+    assert set(members) == names
+    keys = {"num_chosen", "num_draft_tokens", "num_accepted_tokens", "hindsight_accepted"}
+    assert all(set(m) == keys for m in members.values())
     assert sum(m["num_chosen"] for m in members.values()) == out.metrics["num_drafts"]
     accepted = sum(m["num_accepted_tokens"] for m in members.values())
     assert out.metrics["num_accepted_tokens"] - 3 <= accepted <= out.metrics["num_accepted_tokens"]

@@ -118,7 +118,9 @@ class Drafter(Protocol):
         ...
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Called after verification, before the request's next step (to roll back drafter state)."""
+        """Called after verification, before the request's next step (to roll back drafter state):
+        ``num_drafts`` of its proposal were verified (0 when it proposed nothing or its proposal was not
+        verified, e.g. dropped; then ``num_accepted`` is 0), ``num_accepted`` of them accepted."""
         ...
 
     def observe(self, request: Request, start_position: int, hidden_states: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import Drafter, DrafterBase, DrafterContext, DraftInput, DraftProposal
+from specdec.drafters.draft_stats import MemberStats, accepted_length, draft_depth
 from specdec.drafters.registry import check_protocol, get_drafter, register_drafter
 from specdec.drafters.suffix import SUFFIX_FIELDS, check_suffix_config
 from specdec.errors import ConfigError
@@ -82,25 +83,6 @@ def check_hybrid_config(config: SpeculativeConfig) -> None:
 
 
 @dataclass
-class MemberStats:
-    """Counters of one member (engine-wide, or one request's).
-
-    Attributes:
-        num_chosen: steps its proposal was submitted.
-        num_draft_tokens: drafted tokens submitted (a tree's depth).
-        num_accepted_tokens: its accepted drafts: the verifier's count, except in a request's last step,
-            where the tokens the request kept are counted (a stop rule may cut an accepted run).
-        hindsight_accepted: tokens its proposal would have had accepted, summed over every step that any
-            member drafted (its τ had it drafted alone: ``1 + hindsight_accepted / oracle steps``).
-    """
-
-    num_chosen: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    hindsight_accepted: int = 0
-
-
-@dataclass
 class _Step:
     position: int  # request length when drafted
     proposals: list[DraftProposal]
@@ -113,34 +95,6 @@ class _HybridState:
     scores: list[float | None]
     pending: _Step | None = None  # scored at the next proposal (or when the request ends)
     history: list[_Step] = field(default_factory=list)  # for the oracle, scored at the end
-
-
-def accepted_length(proposal: DraftProposal, committed: list[int]) -> int:
-    """Drafts of ``proposal`` (chain or tree) that ``committed`` (the tokens after its position) confirms:
-    a chain's longest equal prefix, a tree's longest root path."""
-    tokens = proposal.token_ids
-    if proposal.parents is None:
-        n = 0
-        while n < len(tokens) and n < len(committed) and int(tokens[n]) == committed[n]:
-            n += 1
-        return n
-    depth_of: dict[int, int] = {}
-    best = 0
-    for i, (t, p) in enumerate(zip(tokens, proposal.parents)):
-        d = 1 if p < 0 else depth_of.get(p, 0) + 1 if p in depth_of else 0
-        if d and d <= len(committed) and int(t) == committed[d - 1]:
-            depth_of[i] = d
-            best = max(best, d)
-    return best
-
-
-def _depth(proposal: DraftProposal) -> int:
-    if proposal.parents is None:
-        return len(proposal.token_ids)
-    depth: list[int] = []
-    for p in proposal.parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return max(depth, default=0)
 
 
 @register_drafter(
@@ -233,7 +187,7 @@ class HybridDrafter(DrafterBase):
             for stats in (self.stats[name], x.request.drafter_metrics.get(name)):
                 if stats is not None:
                     stats.num_chosen += 1
-                    stats.num_draft_tokens += min(_depth(proposals[chosen]), x.max_drafts)
+                    stats.num_draft_tokens += min(draft_depth(proposals[chosen]), x.max_drafts)
             out.append(proposals[chosen])
         return out
 
@@ -244,13 +198,20 @@ class HybridDrafter(DrafterBase):
                 stats.num_accepted_tokens += n
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The member whose proposal was submitted this step is told the verified counts (its proposal
+        was the step's whole proposal); every other member ``(0, 0)``, as the engine tells a drafter
+        whose proposal it did not verify."""
         state = self.states.get(request.request_id)
         step = None if state is None else state.pending
-        if step is not None and step.chosen >= 0 and not step.counted and num_drafts:
+        chosen = -1 if step is None else step.chosen
+        if step is not None and chosen >= 0 and not step.counted and num_drafts:
             step.counted = True
-            self._count_accepted(request, step.chosen, num_accepted)
-        for m in self.members:  # members are model-free: nothing of theirs depends on who drafted
-            m.on_verified(request, 0, 0)
+            self._count_accepted(request, chosen, num_accepted)
+        for i, m in enumerate(self.members):
+            if i == chosen:
+                m.on_verified(request, num_drafts, num_accepted)
+            else:
+                m.on_verified(request, 0, 0)
 
     def observe(self, request, start_position, hidden_states) -> None:
         for m in self.members:

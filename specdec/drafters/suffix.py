@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
+from specdec.drafters.draft_stats import DraftCounts
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.suffix_tree import Draft, SuffixCache, SuffixNode, SuffixTrie, draft_from
 from specdec.errors import ConfigError
@@ -106,6 +107,10 @@ class SuffixDrafter(DrafterBase):
         cache: the global :class:`~specdec.drafters.suffix_tree.SuffixCache`, or None when requests do
             not share (``suffix_share_across_requests`` False, the default).
         num_local_drafts, num_global_drafts: proposals taken from a request's own trie / the global one.
+        counts: each request's figures in ``request.drafter_metrics["suffix"]``
+            (``RequestOutput.metrics["drafter"]``, the keys the hybrid reports per member:
+            :class:`~specdec.drafters.draft_stats.MemberStats`) when it drafts alone (``method="suffix"``;
+            as a hybrid member, the hybrid counts), else None.
     """
 
     def __init__(self, ctx: DrafterContext) -> None:
@@ -125,6 +130,7 @@ class SuffixDrafter(DrafterBase):
         self.states: RequestStates[_RequestTrie] = RequestStates(self._new_state)
         self.num_local_drafts = 0
         self.num_global_drafts = 0
+        self.counts = DraftCounts("suffix") if config.method == "suffix" else None
 
     def _new_state(self) -> _RequestTrie:
         trie = SuffixTrie(self.depth)
@@ -185,12 +191,16 @@ class SuffixDrafter(DrafterBase):
                 self._catch_up(x.request, x.request.num_computed_tokens + x.num_new_tokens)
             d = self.draft(x.request, x.max_drafts, x.max_tree_nodes)
             out.append(DraftProposal([]) if d is None else DraftProposal(d.token_ids, parents=d.parents))
+            if self.counts is not None:
+                self.counts.proposed(x, out[-1])
         return out
 
     def reset(self, request: Request) -> None:
         """Forget the request's trie; a request that finished (not by a fault, not preempted) joins the
         global cache when requests share."""
         self.states.reset(request)
+        if self.counts is not None and request.status.finished:
+            self.counts.finished(request)
         if (
             self.cache is not None
             and request.status.finished
@@ -199,4 +209,6 @@ class SuffixDrafter(DrafterBase):
             self.cache.add(request.token_ids)
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Nothing to roll back: the tries only ever hold committed tokens."""
+        """Nothing to roll back (the tries only ever hold committed tokens); the request's counts."""
+        if self.counts is not None:
+            self.counts.verified(request, num_drafts, num_accepted)

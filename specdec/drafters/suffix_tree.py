@@ -33,9 +33,10 @@ class SuffixNode:
     Attributes:
         children: next token -> child (None while a leaf, to save memory).
         count: occurrences of the node's string in the indexed sequences (truncated at the trie's depth).
-        seq: the latest sequence indexed through this node (the global cache: its id, for the LRU touch;
-            a request's own trie: the position where the latest occurrence ends); larger is more recent,
-            which breaks ties between equally frequent continuations.
+        seq: the latest sequence indexed through this node (the global cache: the id of a cached
+            sequence containing the node's string, for the LRU touch: the latest indexed, or, once that
+            one is evicted, another; a request's own trie: the position where the latest occurrence
+            ends); larger is more recent, which breaks ties between equally frequent continuations.
     """
 
     __slots__ = ("children", "count", "seq")
@@ -232,6 +233,13 @@ class SuffixCache:
     evicts the least recently used ones (added or touched longest ago) until it fits within
     ``max_nodes`` nodes; a sequence too large for the budget on its own is not kept, and evicts nothing.
 
+    Eviction leaves no node naming the evicted sequence: a node it named that other sequences still pass
+    through is re-pointed to one of them, deepest nodes first: to a child's sequence (which continues the
+    node's string), or, for a string no kept sequence continues within the trie's depth, to a sequence
+    it ends (a maximal occurrence: a substring of ``max_depth`` tokens or a sequence's suffix, recorded
+    per node for the sequences that have one there: about one record per cached token). ``O(tokens ×
+    max_depth)`` per eviction, as removing the sequence's counts.
+
     Args:
         max_depth: the trie's depth (see :class:`SuffixTrie`).
         max_nodes: the node budget (0: nothing is cached).
@@ -246,6 +254,9 @@ class SuffixCache:
         self.entries: OrderedDict[int, list[int]] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
         self.num_evicted = 0
+        # Per node of a maximal occurrence, the cached sequences with one there (one id, or a dict of ids
+        # in insertion order: the last is the latest).
+        self._ends: dict[SuffixNode, int | dict[int, None]] = {}
 
     @property
     def num_nodes(self) -> int:
@@ -272,8 +283,48 @@ class SuffixCache:
             self.evict()
         seq = next(self._ids)
         self.entries[seq] = stored
-        self.trie.insert(stored, seq)
+        self._insert(stored, seq)
         return seq
+
+    def _insert(self, tokens: list[int], seq: int) -> None:
+        """:meth:`SuffixTrie.insert`, recording where ``seq`` has maximal occurrences."""
+        trie = self.trie
+        active = trie.start()
+        for t in tokens:
+            deepest = active[-1] if len(active) == trie.max_depth else None
+            active = trie.extend(active, t, seq)
+            if deepest is not None:  # its child: a substring of max_depth tokens
+                self._add_end(deepest.children[t], seq)  # type: ignore[index]
+        for node in active[1:]:  # the sequence's suffixes shorter than max_depth
+            self._add_end(node, seq)
+
+    def _add_end(self, node: SuffixNode, seq: int) -> None:
+        ends = self._ends.get(node)
+        if ends is None:
+            self._ends[node] = seq
+        elif isinstance(ends, int):
+            if ends != seq:
+                self._ends[node] = {ends: None, seq: None}
+        else:
+            ends[seq] = None
+
+    def _drop_end(self, node: SuffixNode, seq: int) -> None:
+        ends = self._ends.get(node)
+        if isinstance(ends, dict):
+            ends.pop(seq, None)
+            if len(ends) == 1:
+                self._ends[node] = next(iter(ends))
+        elif ends == seq:
+            del self._ends[node]
+
+    def _live_seq(self, node: SuffixNode) -> int:
+        """A cached sequence through ``node`` (whose children already name cached sequences): the latest
+        one it ends, or its latest child's, whichever is later."""
+        ends = self._ends.get(node)
+        best = -1 if ends is None else ends if isinstance(ends, int) else next(reversed(ends))
+        if node.children:
+            best = max(best, next(reversed(node.children.values())).seq)
+        return best
 
     def touch(self, seq: int) -> None:
         """Mark ``seq`` as just used (ignored if it was evicted)."""
@@ -281,7 +332,36 @@ class SuffixCache:
             self.entries.move_to_end(seq)
 
     def evict(self) -> None:
-        """Drop the least recently used sequence."""
-        _, tokens = self.entries.popitem(last=False)
-        self.trie.remove(tokens)
+        """Drop the least recently used sequence; the nodes that named it and remain are re-pointed to a
+        cached sequence through them."""
+        seq, tokens = self.entries.popitem(last=False)
+        trie = self.trie
+        depth = trie.max_depth
+        named: list[dict[int, SuffixNode]] = [{} for _ in range(depth + 1)]  # by depth
+        active: list[SuffixNode] = [trie.root]
+        for t in tokens:  # SuffixTrie.remove, noting the nodes that name seq and its maximal occurrences
+            new = [trie.root]
+            for d, node in enumerate(active, 1):
+                children = node.children
+                assert children is not None, "removing a sequence that was not inserted"
+                child = children[t]
+                child.count -= 1
+                if child.count == 0:
+                    del children[t]
+                    if not children:
+                        node.children = None
+                    trie.num_nodes -= 1
+                elif child.seq == seq:
+                    named[d][id(child)] = child
+                if d < depth:
+                    new.append(child)
+                else:
+                    self._drop_end(child, seq)
+            active = new
+        for node in active[1:]:
+            self._drop_end(node, seq)
+        for d in range(depth, 0, -1):  # deepest first: a node's children name cached sequences by then
+            for node in named[d].values():
+                if node.count > 0:
+                    node.seq = self._live_seq(node)
         self.num_evicted += 1
