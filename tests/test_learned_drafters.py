@@ -251,8 +251,8 @@ def test_prefix_caching_and_preemption(random_setup, name):
 
 @pytest.mark.real_model
 def test_smollm2_with_our_heads_greedy_equality(smollm2_dir, smol_reference):
-    """The packaged SmolLM2 with the built-in Medusa, EAGLE and EAGLE-3 heads (loaded by name), chains and trees,
-    batch 1 and 5, float32: output equals transformers' greedy decoding token for token."""
+    """The packaged SmolLM2 with the built-in Medusa, EAGLE and EAGLE-3 heads (loaded by name), chains and
+    trees, batch 1 and 5, float32: output equals transformers' greedy decoding token for token."""
     prompts, refs = smol_reference
     specs = [
         {"method": "medusa", "num_speculative_tokens": 4},
