@@ -22,9 +22,13 @@ Definitions (all in bytes; GB = 10^9, GiB = 2^30):
   of ``context`` tokens that run at once without preemption.
 - **sliding windows** (Mistral, Gemma 2/3, windowed Qwen/Phi-3 configs): a windowed layer's attention
   reads only the last ``sliding_window`` tokens of KV, so its share of the KV read per step is
-  ``min(context, sliding_window)`` tokens (``kv_read_bytes_per_request``). The engine still holds every
-  token's KV in every layer (blocks outside the windows are not freed), so the bytes held, the blocks per
-  request and the requests a budget holds are those of full attention.
+  ``min(context, sliding_window)`` tokens (``kv_read_bytes_per_request``). The bytes held, the blocks per
+  request and the requests a budget holds stay those of full attention: the peak. With some global layer
+  (Gemma 2/3) the engine keeps every token's KV; when *every* layer is windowed (Mistral, windowed
+  Phi-3/Qwen configs) and no drafter keeps KV of its own, it releases the blocks wholly behind a
+  request's window as it decodes (``specdec.kv_cache.manager``), so a decoding request then holds
+  about ``ceil(sliding_window / block_size) + 1`` blocks (plus its draft slots), but a prompt still
+  holds the whole of its last prefill chunk, which this calculator does not know.
 - **bandwidth floor of a decode step**: the bytes one step must read, ÷ the memory read bandwidth (given,
   or measured by :func:`measure_read_bandwidth`). A step at batch B reads every weight once (the embedding
   table only in B rows, unless it is also the dense LM head) and each request's KV inside the windows:

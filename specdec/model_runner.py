@@ -42,7 +42,8 @@ class Segment:
     """One request's new tokens in a flattened batch.
 
     Attributes:
-        block_ids: the request's block table.
+        block_ids: the request's block table; leading entries may be
+            :data:`~specdec.kv_cache.manager.RELEASED` (blocks behind a sliding window, never read).
         start: position of the first new token.
         token_ids: the new tokens; their K/V is written at the slots of positions ``start,
             start + 1, ...`` of the block table.
@@ -82,6 +83,13 @@ def build_inputs(segments: list[Segment], block_size: int, device: torch.device)
     offsets = torch.arange(int(qsl[-1])) - qsl[seg_of_token]
     consecutive = torch.tensor(starts, dtype=torch.int64)[seg_of_token] + offsets  # [T] cache positions
     slots = block_table[seg_of_token, consecutive // bs] * bs + consecutive % bs
+    if any(seg.block_ids and seg.block_ids[0] < 0 for seg in segments):
+        # Entries released behind a sliding window (``kv_cache.manager.RELEASED``, a prefix of the table):
+        # no new token may be written there, and the attention, which never reads them unmasked, sees
+        # block 0 instead.
+        if bool((slots < 0).any()):
+            raise RuntimeError("a new token's slot lies in a block released behind the sliding window")
+        block_table.clamp_(min=0)
     positions = consecutive
     if any(seg.positions is not None for seg in segments):  # token trees: nodes share positions by depth
         positions = consecutive.clone()

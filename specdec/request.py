@@ -58,7 +58,8 @@ class Request:
     ``token_ids`` is prompt + output so far; the KV of its first ``num_computed_tokens`` tokens is in the
     cache, in the blocks of ``block_ids`` (the request's block table). ``block_hashes`` are the chained
     hashes of its full blocks, computed once; ``num_cached_blocks`` of them are registered in the prefix
-    cache.
+    cache. Under a sliding window the first ``num_released_blocks`` table entries may be
+    :data:`~specdec.kv_cache.manager.RELEASED` (blocks no later query can read, given back to the pool).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
+        self.num_released_blocks = 0
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

@@ -26,7 +26,7 @@ from sampling.params import SamplingParams
 from specdec import LLM
 from specdec.errors import InvalidRequestError
 from specdec.kv_cache.block_pool import ROOT_HASH, BlockPool, hash_block_tokens
-from specdec.kv_cache.manager import KVCacheManager, cdiv
+from specdec.kv_cache.manager import RELEASED, KVCacheManager, cdiv
 from specdec.request import Request, RequestStatus
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -271,6 +271,45 @@ def test_allocate_slots_failure_changes_nothing():
     assert b.num_computed_tokens == 4 and len(b.block_ids) == 3
 
 
+def test_sliding_window_releases_blocks_behind_it():
+    """Window 5, blocks of 2: a query at position p reads keys p - 4 .. p, so the blocks wholly before
+    p - 4 are released (entries RELEASED, one reference dropped, the hash kept for prefix hits); a later
+    request with the same prefix takes only the hits inside its window; fork, rollback and free never
+    free a released block twice."""
+    mgr = KVCacheManager(num_blocks=8, block_size=2, sliding_window=5)
+    a = make_request("a", list(range(10, 22)))  # 12 tokens, 6 blocks
+    assert mgr.allocate_slots(a, 12)
+    compute(mgr, a, 12)
+    held = list(a.block_ids)
+    a.token_ids.append(99)
+    assert mgr.allocate_slots(a, 1)  # query at 12 reads 8..12: blocks 0-3 (positions 0-7) released
+    assert a.block_ids[:4] == [RELEASED] * 4 and a.block_ids[4:6] == held[4:]
+    assert mgr.num_live_blocks(a) == 3 and mgr.num_released_blocks == 4 and mgr.num_free_blocks == 5
+    assert all(mgr.pool.blocks[b].ref_count == 0 and mgr.pool.blocks[b].block_hash for b in held[:4])
+    with pytest.raises(RuntimeError, match="released"):
+        mgr.slot(a, 7)
+    mgr.pool.check_invariants()
+    compute(mgr, a, 1)
+    mgr.cache_full_blocks(a)
+    # Same 8-token prefix: 4 cached hits, of which the 2 before position 8's window stay released.
+    b = make_request("b", list(range(10, 18)) + [50, 51])
+    hits = mgr.get_computed_blocks(b)
+    assert hits == held[:4]
+    assert mgr.allocate_slots(b, 2, new_computed_blocks=hits)
+    assert b.block_ids[:4] == [RELEASED, RELEASED, *held[2:4]] and b.num_released_blocks == 2
+    assert [mgr.pool.blocks[x].ref_count for x in held[:4]] == [0, 0, 1, 1]
+    assert b.num_computed_tokens == 8 and b.stats.num_cached_prompt_tokens == 8
+    compute(mgr, b, 2)
+    c = make_request("c", [])
+    assert mgr.fork(b, c) == [] and c.num_released_blocks == 2 and c.block_ids == b.block_ids
+    mgr.rollback(c, 0)
+    mgr.pool.check_invariants()
+    for r in (c, b, a):
+        mgr.free(r)
+        mgr.pool.check_invariants()
+    assert mgr.num_free_blocks == 8
+
+
 # ------------------------------------------------------------------------------ stateful model check
 #: What the stateful runs exercised, summed over all examples (checked after the run).
 COVERAGE: Counter[str] = Counter()
@@ -278,7 +317,8 @@ ALPHABET = st.integers(0, 2)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
-    """Random arrivals, chunked steps, speculative rollbacks, preemptions, finishes and aborts."""
+    """Random arrivals, chunked steps, speculative rollbacks, preemptions, finishes and aborts; with or
+    without a sliding window (blocks behind it released, see ``KVCacheManager.release_outside_window``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -303,6 +343,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.mgr is not None
         bs = self.bs
         for p in range(start, stop):
+            assert req.block_ids[p // bs] != RELEASED, (req, p)
             block = self.mgr.pool.blocks[req.block_ids[p // bs]]
             # Writes go only to private, unhashed blocks: never into KV another request may read.
             assert block.ref_count == 1, (req, p, block)
@@ -338,6 +379,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             COVERAGE["cached block evicted"] += 1
         if hits:
             COVERAGE["prefix hit"] += 1
+            if req.num_released_blocks:
+                COVERAGE["hit outside the window not taken"] += 1
             if revived:
                 COVERAGE["freed block revived"] += 1
             if any(mgr.pool.blocks[b].ref_count > 1 for b in hits):
@@ -355,9 +398,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.history.append(list(req.token_ids))
 
     # -------------------------------------------------------------------- rules
-    @initialize(num_blocks=st.integers(2, 12), block_size=st.integers(1, 4))
-    def setup(self, num_blocks: int, block_size: int) -> None:
-        self.mgr = KVCacheManager(num_blocks, block_size)
+    @initialize(
+        num_blocks=st.integers(2, 12), block_size=st.integers(1, 4), window=st.none() | st.integers(1, 6)
+    )
+    def setup(self, num_blocks: int, block_size: int, window: int | None) -> None:
+        self.mgr = KVCacheManager(num_blocks, block_size, sliding_window=window)
+
+    def _release_behind_window(self, req: Request) -> None:
+        """What ``allocate_slots`` does first (also when it then refuses): release the blocks behind the
+        window of the request's next query."""
+        assert self.mgr is not None
+        if self.mgr.release_outside_window(req):
+            COVERAGE["released behind the window"] += 1
 
     @rule(
         data=st.data(),
@@ -383,6 +435,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         req = self._pick(data)
         n = min(chunk, req.num_tokens - req.num_computed_tokens)
         assert n >= 1
+        self._release_behind_window(req)
         before = (pool_state(self.mgr.pool), list(req.block_ids))
         if not self.mgr.allocate_slots(req, n):
             assert (pool_state(self.mgr.pool), list(req.block_ids)) == before
@@ -398,6 +451,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.mgr is not None
         req = self._pick(data)
         start, end, k = req.num_computed_tokens, req.num_tokens, len(drafts)
+        self._release_behind_window(req)
         before = (pool_state(self.mgr.pool), list(req.block_ids))
         if not self.mgr.allocate_slots(req, end - start, num_lookahead_tokens=k):
             assert (pool_state(self.mgr.pool), list(req.block_ids)) == before
@@ -476,24 +530,33 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         pool, bs = mgr.pool, self.bs
         pool.check_invariants()
-        refs = Counter(b for r in self.live.values() for b in r.block_ids)
+        refs = Counter(b for r in self.live.values() for b in r.block_ids if b != RELEASED)
         assert [b.ref_count for b in pool.blocks] == [refs.get(i, 0) for i in range(pool.num_blocks)]
         assert mgr.num_free_blocks == pool.num_blocks - len(refs)
         for req in self.preempted.values():
             assert req.block_ids == [] and req.num_computed_tokens == 0 and req.num_cached_blocks == 0, req
         for req in self.live.values():
             table = req.block_ids
-            assert len(set(table)) == len(table), req
+            released = req.num_released_blocks
+            assert table[:released] == [RELEASED] * released and RELEASED not in table[released:], req
+            # Nothing the next query can read is released: it sits at num_computed_tokens (or later) and
+            # reads the keys after num_computed_tokens - window.
+            if released:
+                assert mgr.sliding_window is not None
+                assert released * bs <= req.num_computed_tokens - mgr.sliding_window + 1, req
+            assert len(set(table[released:])) == len(table) - released, req
             assert len(table) * bs >= req.num_computed_tokens, req
             assert len(table) == cdiv(req.num_computed_tokens, bs), req  # no leaked lookahead
             assert req.num_computed_tokens < req.num_tokens, req
             assert req.num_cached_blocks <= req.num_computed_tokens // bs
-            # Every computed token's KV is in its slot (shared and revived blocks included).
-            for p in range(req.num_computed_tokens):
+            # Every computed token's KV still held is in its slot (shared and revived blocks included).
+            for p in range(released * bs, req.num_computed_tokens):
                 assert self.slots.get((table[p // bs], p % bs)) == req.token_ids[p], (req, p)
             # A hashed block carries the chained hash of exactly this request's prefix.
             hashes = chain_hashes(req.token_ids[: req.num_computed_tokens], bs)
             for i, block_id in enumerate(table):
+                if block_id == RELEASED:
+                    continue
                 h = pool.blocks[block_id].block_hash
                 if i >= req.num_cached_blocks:
                     assert h is None, (req, i)
@@ -530,6 +593,8 @@ def test_kv_cache_manager_state_machine():
         "preempted and readmitted",
         "finished",
         "aborted",
+        "released behind the window",
+        "hit outside the window not taken",
     ):
         assert COVERAGE[what] > 0, (what, dict(COVERAGE))
 

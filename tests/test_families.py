@@ -8,7 +8,10 @@ Proven per family, in float32:
   boundaries (batched, then a lone decode row), with sliding windows shorter than the prompts;
 - the engine's greedy output equals transformers' ``generate``, batched with chunked prefill under
   preemption, and queued with prefix-cache hits;
-- n-gram and draft-model speculation give the same greedy tokens.
+- n-gram and draft-model speculation give the same greedy tokens;
+- where every layer is windowed (Mistral), blocks behind a request's window go back to the pool as it
+  decodes (a bounded number held), with prefix caching, preemption and n-gram speculation still equal to
+  transformers; the mixed Gemmas, and a draft model's KV, release nothing.
 
 Gemma 2 also checks a token tree under a sliding window (each branch equals its own sequence).
 """
@@ -23,6 +26,7 @@ from specdec import LLM
 from specdec.attention.base import AttentionMetadata
 from specdec.attention.reference import ReferenceAttention
 from specdec.errors import CorruptModelError, UnknownModelError
+from specdec.kv_cache.manager import RELEASED
 from specdec.memory import estimate, weight_bytes
 from specdec.models.config import SUPPORTED_MODEL_TYPES, ModelArchConfig
 from specdec.models.loader import load_model
@@ -279,16 +283,26 @@ def _generate(d, spec=None, **kwargs) -> tuple[list[list[int]], LLM, int]:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_engine_greedy_equals_transformers(family_dirs, hf_refs, name, fast_cpu_settings):
     d = family_dirs[name][0]
+    # Only Mistral windows every layer: its blocks behind the window are released (the Gemmas' global
+    # layers keep every block), so it needs a smaller pool to be preempted.
+    releases = ModelArchConfig.from_pretrained(d).uniform_sliding_window is not None
+    assert releases == (name == "mistral-mqa-tied-window6")
     # Batched, chunked prefill (16-token budget), preempted for lack of blocks.
     got, llm, _ = _generate(
-        d, block_size=4, enable_prefix_caching=True, num_kv_blocks=14, max_num_batched_tokens=16
+        d,
+        block_size=4,
+        enable_prefix_caching=True,
+        num_kv_blocks=12 if releases else 14,
+        max_num_batched_tokens=16,
     )
     assert got == hf_refs[name]
     assert llm.engine.scheduler.num_preemptions > 0
+    assert (llm.engine.kv.num_released_blocks > 0) == releases
     # Queued two at a time: later requests reuse the shared prefix's cached blocks.
-    got, _, cached = _generate(d, block_size=3, enable_prefix_caching=True, max_num_seqs=2)
+    got, llm, cached = _generate(d, block_size=3, enable_prefix_caching=True, max_num_seqs=2)
     assert got == hf_refs[name]
     assert cached > 0
+    assert (llm.engine.kv.num_released_blocks > 0) == releases
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -298,11 +312,129 @@ def test_speculation_greedy_equals_transformers(family_dirs, hf_refs, name, fast
     got, llm, _ = _generate(target, ngram, block_size=4)
     assert got == hf_refs[name]
     assert llm.engine.spec_stats.num_drafts > 0
+    releases = name == "mistral-mqa-tied-window6"  # every layer windowed, a drafter without KV
+    assert (llm.engine.kv.num_released_blocks > 0) == releases
     model = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     got, llm, _ = _generate(target, model, block_size=4)
     assert got == hf_refs[name]
     stats = llm.engine.spec_stats
     assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert llm.engine.kv.sliding_window is None  # the draft model's KV may lag behind the window
+    assert llm.engine.kv.num_released_blocks == 0
+
+
+WINDOWED = "mistral-mqa-tied-window6"  # window 6 on both layers
+
+
+def _step_all(llm, checks=None) -> None:
+    """Step the engine until every request ends, calling ``checks()`` after each step."""
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        llm.engine.kv.pool.check_invariants()
+        if checks is not None:
+            checks()
+
+
+@pytest.mark.parametrize("ngram, backend", [(False, "auto"), (True, "auto"), (True, "reference")])
+def test_window_bounds_the_kv_a_decoding_request_holds(family_dirs, ngram, backend, fast_cpu_settings):
+    """Mistral with window 6, blocks of 4, prompts of 30 and 13 tokens (longer than the window): after
+    each decode step a request holds at most ceil((6 + k) / 4) + 1 blocks (k = 3 n-gram draft slots, 0
+    without), the blocks behind its window are back in the pool, the greedy output equals transformers'
+    (batched, and with n-gram speculation) and every block is free at the end. ``reference``: the
+    pure-torch backend, whose padded verification batch gathers released entries (as block 0, masked)."""
+    d = family_dirs[WINDOWED][0]
+    prompts = _prompts([30, 13], seed=3)
+    prompts[0][20:30] = prompts[0][5:15]  # a repeat for the n-gram drafter to find
+    max_tokens = [24, 18]
+    hf_model = _hf(d)
+    want = [hf_greedy(hf_model, p, m, eos=None) for p, m in zip(prompts, max_tokens)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3} if ngram else None
+    llm = LLM(d, skip_tokenizer_init=True, dtype="float32", block_size=4, speculative_config=spec)
+    if backend == "reference":
+        llm.engine.runner.attention = ReferenceAttention()
+    kv = llm.engine.kv
+    assert kv.sliding_window == 6
+    reqs = [
+        llm.engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+    bound = -(-(6 + (3 if ngram else 0)) // 4) + 1
+    most = [0, 0]
+
+    def checks():
+        for i, r in enumerate(reqs):
+            if not r.status.finished and r.num_output_tokens >= 2:  # its last step was a decode step
+                live = kv.num_live_blocks(r)
+                assert live <= bound, (r, live)
+                most[i] = max(most[i], live)
+                assert len(r.block_ids) == -(-r.num_computed_tokens // 4)  # indexing by position kept
+        assert kv.num_free_blocks == llm.engine.num_kv_blocks - sum(
+            kv.num_live_blocks(r) for r in reqs if not r.status.finished
+        )
+
+    _step_all(llm, checks)
+    assert [r.output_token_ids for r in reqs] == want
+    assert min(most) > 0 and kv.num_released_blocks >= (30 + 24 - 6) // 4 - 1
+    assert kv.num_free_blocks == llm.engine.num_kv_blocks
+    if ngram:
+        assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_window_release_keeps_prefix_hits_valid(family_dirs, fast_cpu_settings):
+    """A request decoding past its window releases its prompt's cached blocks; a second request with the
+    same 20-token prefix arrives then, is served the prefix from the cache (the 3 blocks before its first
+    query's window entered as released, the 2 others revived or shared), and both equal transformers.
+    Prefix caching with a tiny pool (preemption) is covered by ``test_engine_greedy_equals_transformers``.
+    """
+    d = family_dirs[WINDOWED][0]
+    shared, tails = _prompts([20], seed=4)[0], _prompts([3, 5], seed=5)
+    prompts = [shared + tails[0], shared + tails[1]]
+    hf_model = _hf(d)
+    want = [hf_greedy(hf_model, p, 12, eos=None) for p in prompts]
+    llm = LLM(d, skip_tokenizer_init=True, dtype="float32", block_size=4, enable_prefix_caching=True)
+    kv, params = llm.engine.kv, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = llm.engine.add_request("a", prompts[0], params)
+    while a.num_output_tokens < 4:
+        llm.engine.step()
+    assert a.num_released_blocks >= 4
+    released_before = kv.num_released_blocks
+    b = llm.engine.add_request("b", prompts[1], params)
+    llm.engine.step()
+    assert b.stats.num_cached_prompt_tokens == 20
+    assert b.block_ids[:3] == [RELEASED] * 3 and b.num_released_blocks >= 3
+    assert kv.num_released_blocks >= released_before + 3
+    _step_all(llm)
+    assert [a.output_token_ids, b.output_token_ids] == want
+    assert kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_beam_search_under_window_release_equals_transformers(family_dirs, fast_cpu_settings):
+    """Beam search on the windowed Mistral: beams forked from parents whose early blocks were released
+    (the released entries stay released in the child) give transformers' best beam."""
+    from sampling.beam_search import BeamSearchParams
+
+    d = family_dirs[WINDOWED][0]
+    prompts = _prompts([25, 14], seed=9)
+    hf_model = _hf(d)
+    llm = LLM(d, skip_tokenizer_init=True, dtype="float32", block_size=4)
+    outs = llm.beam_search(
+        [{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=16)
+    )
+    assert llm.engine.kv.num_released_blocks > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    llm.engine.kv.pool.check_invariants()
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf_model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                num_beams=3,
+                do_sample=False,
+                max_new_tokens=16,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        assert out.sequences[0].token_ids == want
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -330,6 +462,8 @@ def test_learned_heads_greedy_equal_transformers(family_dirs, hf_refs, name, fas
         got, llm, _ = _generate(target, spec, block_size=4)
         assert got == hf_refs[name]
         assert llm.engine.spec_stats.num_drafts > 0
+        # Medusa keeps no KV: on Mistral blocks behind the window go back while trees are verified.
+        assert (llm.engine.kv.num_released_blocks > 0) == (name == WINDOWED)
     eagle_cfg = HeadConfig(
         method="eagle",
         target=str(target),
@@ -372,7 +506,7 @@ def test_memory_calculator_knows_each_family(family_dirs, name):
     per_layer = est.kv_bytes_per_token // cfg.num_layers
     windows = [cfg.layer_window(i) or 40 for i in range(cfg.num_layers)]
     assert est.kv_read_bytes_per_request == sum(per_layer * min(40, w) for w in windows)
-    assert est.kv_bytes_per_request == 40 * est.kv_bytes_per_token  # held: windows free nothing
+    assert est.kv_bytes_per_request == 40 * est.kv_bytes_per_token  # held at the peak: the whole context
     assert est.step_read_bytes == est.weight_read_bytes + est.kv_read_bytes_per_request
 
 

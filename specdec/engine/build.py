@@ -119,6 +119,24 @@ def build_engine_parts(
     return EngineParts(model, cfg, drafter, max_model_len, num_blocks, runner, generator)
 
 
+def release_window(cfg: ModelArchConfig, drafter: Drafter | None, block_size: int) -> int | None:
+    """The sliding window behind which the block manager releases a request's KV blocks
+    (``KVCacheManager(sliding_window=...)``), or None to keep every block.
+
+    Only when every layer of the target is windowed (:attr:`ModelArchConfig.uniform_sliding_window`):
+    with one global layer (Gemma 2/3 as released) every key stays readable, and the attention merely
+    skips the blocks outside the windowed layers' windows. And only when the drafter keeps no KV of its
+    own on the target's block tables (``kv_bytes_per_block`` 0: n-gram, suffix, Medusa, none): a draft
+    model catches up lazily from the last position it saw, which may lie before the target's window, and
+    its own layers need not be windowed (EAGLE heads refuse windowed targets). An engine whose
+    ``drafter`` is replaced after building keeps the window chosen here.
+    """
+    window = cfg.uniform_sliding_window
+    if window is None or (drafter is not None and drafter.kv_bytes_per_block(block_size) > 0):
+        return None
+    return window
+
+
 def build_scheduler(
     parts: EngineParts,
     cache_config: CacheConfig,
@@ -127,8 +145,12 @@ def build_scheduler(
 ) -> tuple[KVCacheManager, Scheduler]:
     """The block manager over ``parts.num_kv_blocks`` blocks and the scheduler that reserves, per
     drafting request and step, ``spec.num_draft_slots`` KV slots (k for chains, the tree size for trees),
-    and ``spec.num_forced_draft_slots`` more for a constrained request under grammar-aware drafting."""
-    kv = KVCacheManager(parts.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+    and ``spec.num_forced_draft_slots`` more for a constrained request under grammar-aware drafting.
+    Under a sliding window on every layer the manager releases blocks behind it (:func:`release_window`)."""
+    window = release_window(parts.model_cfg, parts.drafter, cache_config.block_size)
+    kv = KVCacheManager(
+        parts.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching, window
+    )
     k, slots = (spec.num_speculative_tokens, spec.num_draft_slots) if spec else (0, 0)
     forced = spec.num_forced_draft_slots if spec else 0
     return kv, Scheduler(scheduler_config, kv, parts.max_model_len, k, slots, forced)

@@ -75,7 +75,8 @@ def run_isolated(
 def scrub_private_blocks(req: Request, pool: BlockPool, caches: object, num_blocks: int) -> None:
     """Zero the K/V of the blocks only ``req`` holds (its uncached blocks with reference count 1), so that
     NaN or infinity its forward wrote cannot reach a later request through stale (masked) slots."""
-    private = [b for b in req.block_ids[req.num_cached_blocks :] if pool.blocks[b].ref_count == 1]
+    first = max(req.num_cached_blocks, req.num_released_blocks)  # released entries are held no more
+    private = [b for b in req.block_ids[first:] if pool.blocks[b].ref_count == 1]
     if private:
         zero_blocks(caches, private, num_blocks)
 

@@ -86,6 +86,16 @@ class ModelArchConfig:
         return None
 
     @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when *every* layer attends within one (Mistral or Phi-3 with ``sliding_window``
+        set, a Gemma config whose ``layer_types`` are all sliding); None when some layer is global."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        if all(self.layer_window(i) is not None for i in range(self.num_layers)):
+            return self.sliding_window
+        return None
+
+    @property
     def attention_scale(self) -> float:
         """The softmax scale: ``query_pre_attn_scalar ** -0.5`` when set (Gemma), else
         ``head_dim ** -0.5``."""
