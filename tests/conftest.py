@@ -227,3 +227,39 @@ def tiny_text_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """:func:`save_tiny_text_models`, once per session: string prompts, stop strings and grammars without
     the real model."""
     return save_tiny_text_models(tmp_path_factory.mktemp("tiny_text_models"))
+
+
+def save_permutation_target(directory: Path, vocab_size: int, shift: int) -> torch.Tensor:
+    """A one-layer Llama whose greedy next token is ``(x + shift) % vocab_size``, saved to ``directory``:
+    hidden size = vocabulary, embeddings ``sqrt(V) * I``, attention and MLP outputs zeroed (so the
+    residual stream stays ``sqrt(V) onehot(x)``), LM head the permutation. Returns the permutation
+    matrix ``P`` ``[V, V]`` (``P @ onehot(x) = onehot(x + shift)``), for heads built to copy it."""
+    import math
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    h = vocab_size
+    config = LlamaConfig(
+        vocab_size=h,
+        hidden_size=h,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).float().eval()
+    perm = torch.zeros(h, h)
+    perm[(torch.arange(h) + shift) % h, torch.arange(h)] = 1.0
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(math.sqrt(h) * torch.eye(h))
+        model.lm_head.weight.copy_(perm)
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(directory)
+    return perm

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -76,33 +75,11 @@ def perm_setup(tmp_path_factory):
     """A one-layer target whose greedy next token is ``(x + SHIFT) % V`` (attention and MLP zeroed, so
     the stream entering layer 0 is ``sqrt(V) onehot(x)``), and an EAGLE-3 head that reads that stream of
     the root t and drafts ``x_t + 2 SHIFT`` = ``x_{t+2}``: every first draft is right, later ones not."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.conftest import save_permutation_target
 
     root = tmp_path_factory.mktemp("eagle3_perm")
     h = PERM_VOCAB
-    config = LlamaConfig(
-        vocab_size=h,
-        hidden_size=h,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config).float().eval()
-    perm = torch.zeros(h, h)
-    perm[(torch.arange(h) + SHIFT) % h, torch.arange(h)] = 1.0  # perm @ onehot(x) = onehot(x + SHIFT)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(math.sqrt(h) * torch.eye(h))
-        model.lm_head.weight.copy_(perm)
-        layer = model.model.layers[0]
-        layer.self_attn.o_proj.weight.zero_()
-        layer.mlp.down_proj.weight.zero_()
-    model.save_pretrained(root / "target")
+    perm = save_permutation_target(root / "target", h, SHIFT)  # perm @ onehot(x) = onehot(x + SHIFT)
     arch = ModelArchConfig.from_pretrained(root / "target")
     head = Eagle3Head(arch, h, (0, 1, 1))
     with torch.no_grad():

@@ -16,7 +16,6 @@ Both run chains and trees, batch sizes 1 and 4.
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -63,33 +62,11 @@ def random_setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def perm_setup(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.conftest import save_permutation_target
 
     root = tmp_path_factory.mktemp("learned_perm")
     h = PERM_VOCAB
-    config = LlamaConfig(
-        vocab_size=PERM_VOCAB,
-        hidden_size=h,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config).float().eval()
-    perm = torch.zeros(h, h)
-    perm[(torch.arange(h) + SHIFT) % h, torch.arange(h)] = 1.0  # perm @ onehot(x) = onehot(g(x))
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(math.sqrt(h) * torch.eye(h))
-        model.lm_head.weight.copy_(perm)
-        layer = model.model.layers[0]
-        layer.self_attn.o_proj.weight.zero_()
-        layer.mlp.down_proj.weight.zero_()
-    model.save_pretrained(root / "target")
+    perm = save_permutation_target(root / "target", h, SHIFT)
 
     medusa_cfg = _head_config(root / "target", "medusa")
     medusa = build_heads(medusa_cfg)
