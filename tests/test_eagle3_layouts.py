@@ -169,7 +169,7 @@ def _write(directory: Path, config: dict, state: dict[str, torch.Tensor], bin_fi
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    for name in eagle3_layouts.WEIGHT_FILES:
+    for name in (*eagle3_layouts.WEIGHT_FILES, eagle3_layouts.PICKLED_WEIGHTS):
         (directory / name).unlink(missing_ok=True)
     if bin_file:
         torch.save(state, directory / "pytorch_model.bin")
@@ -191,12 +191,12 @@ def _save_all(root: Path, head: Eagle3Head, norm_before_residual: bool) -> dict[
     )
     return {
         "specdec": save_heads(head, native, root / "specdec"),
-        # SafeAILab's released heads are pytorch_model.bin files
+        # SafeAILab's released heads are pytorch_model.bin files, converted once to safetensors
         "safeailab": _write(
             root / "safeailab",
             _safeailab_config(norm_before_residual),
             _public_state(head, "midlayer."),
-            True,
+            False,
         ),
         "speculators": _write(
             root / "speculators",
@@ -446,5 +446,9 @@ def test_unknown_layout_and_unreadable_weights(tmp_path, dirs):
         load_eagle3_head(path, TARGET, torch.float32)
     path = shutil.copytree(dirs["speculators"], tmp_path / "noweights")
     (path / "model.safetensors").unlink()
-    with pytest.raises(CorruptModelError, match=r"no model\.safetensors or pytorch_model\.bin"):
+    with pytest.raises(CorruptModelError, match=r"no model\.safetensors in"):
+        load_eagle3_head(path, TARGET, torch.float32)
+    # pickled weights (SafeAILab's releases) are refused, never unpickled, with how to convert them
+    torch.save({"fc.weight": torch.zeros(2, 2)}, path / "pytorch_model.bin")
+    with pytest.raises(CorruptModelError, match=r"never unpickles.*convert it once to model\.safetensors"):
         load_eagle3_head(path, TARGET, torch.float32)

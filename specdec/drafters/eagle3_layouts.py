@@ -1,7 +1,8 @@
 """EAGLE-3 heads saved in this library's layout and in the two public ones, loaded as :class:`Eagle3Head`.
 
 Three layouts, each a directory with a ``config.json`` and one weights file (``model.safetensors``, or a
-``pytorch_model.bin`` read with ``torch.load(weights_only=True)``):
+``pytorch_model.bin`` is refused with a message: the library never unpickles, convert it to
+safetensors once, yourself):
 
 - ``"specdec"``: this library's (:func:`specdec.drafters.heads.save_heads`): ``config.json`` is
   :class:`HeadConfig` with ``"method": "eagle3"``; weights carry :class:`Eagle3Head`'s own names
@@ -70,7 +71,9 @@ from specdec.errors import ConfigError, CorruptModelError, InvalidRequestError
 from specdec.models.config import ModelArchConfig
 
 LAYOUTS = ("specdec", "safeailab", "speculators")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_FILES = ("model.safetensors",)
+#: Pickled weights some public heads ship; refused (this library never unpickles), with how to convert.
+PICKLED_WEIGHTS = "pytorch_model.bin"
 
 #: Checkpoint names outside the decoder layer that map to ours unchanged.
 _TOP_LEVEL = ("fc.weight", "norm.weight", "lm_head.weight")
@@ -232,34 +235,33 @@ def _weights_file(path: Path) -> Path:
     for name in WEIGHT_FILES:
         if (path / name).is_file():
             return path / name
+    if (path / PICKLED_WEIGHTS).is_file():
+        raise CorruptModelError(
+            f"{path} holds {PICKLED_WEIGHTS} only: this library never unpickles weights; convert it once to "
+            "model.safetensors (load it with torch's weights_only loader and write it with "
+            "safetensors.torch.save_file) and load that directory"
+        )
     found = sorted(p.name for p in path.iterdir())
     raise CorruptModelError(f"no {' or '.join(WEIGHT_FILES)} in {path} (found {found})")
 
 
 def _weight_names(file: Path) -> list[str]:
-    if file.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open
 
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                return list(f.keys())
-        except (OSError, SafetensorError) as e:
-            raise CorruptModelError(f"cannot read {file}: {e}") from e
-    return list(_read_weights(file))
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (OSError, SafetensorError) as e:
+        raise CorruptModelError(f"cannot read {file}: {e}") from e
 
 
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:
-    import pickle
-
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        if file.suffix == ".safetensors":
-            state = load_file(str(file))
-        else:
-            state = torch.load(str(file), map_location="cpu", weights_only=True)
-    except (OSError, SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError) as e:
+        state = load_file(str(file))
+    except (OSError, SafetensorError, RuntimeError) as e:
         raise CorruptModelError(f"cannot read {file}: {e}") from e
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()

@@ -94,7 +94,9 @@ def build_engine_parts(
         drafter = build_drafter(ctx)
     # EAGLE-3 reads the target's residual streams at chosen layers instead of its final features (reset
     # otherwise: a model object may be reused by another engine).
-    model.set_feature_layers(getattr(drafter, "feature_layers", None) or ())
+    layers = getattr(drafter, "feature_layers", None) or ()
+    if layers or getattr(model, "feature_layers", ()):
+        model.set_feature_layers(layers)
     bs = cache_config.block_size
     num_blocks = cache_config.num_kv_blocks
     if num_blocks is None:
