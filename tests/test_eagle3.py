@@ -26,6 +26,7 @@ from specdec.drafters.eagle3_head import Eagle3Head, check_vocab_maps, default_f
 from specdec.drafters.heads import HeadConfig, arch_fields, save_heads
 from specdec.errors import ConfigError, CorruptModelError, InvalidRequestError
 from specdec.models.config import ModelArchConfig
+from tests.test_learned_drafters import _prompts, _run
 
 VOCAB = 64
 PERM_VOCAB = 32
@@ -94,17 +95,6 @@ def perm_setup(tmp_path_factory):
     head.set_vocab(list(range(h)))
     _save_head(head, root / "target", root / "head")
     return root
-
-
-def _prompts(n: int, vocab: int) -> list[list[int]]:
-    return [[(11 * i + 5 * j) % (vocab - 3) + 3 for j in range(4 + 5 * i)] for i in range(n)]
-
-
-def _run(target, prompts, max_tokens, spec=None):
-    llm = LLM(target, skip_tokenizer_init=True, block_size=4, speculative_config=spec)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [o.outputs[0].token_ids for o in outs], llm
 
 
 CHAIN = {"method": "eagle3", "num_speculative_tokens": 3}

@@ -55,7 +55,16 @@ def test_defaults_are_the_old_argparse_defaults():
         False,
         None,
     )
-    assert drafters.methods == ["plain", "ngram", "medusa", "medusa-tree", "eagle", "eagle-tree"]
+    assert drafters.methods == [
+        "plain",
+        "ngram",
+        "medusa",
+        "medusa-tree",
+        "eagle",
+        "eagle-tree",
+        "eagle3",
+        "eagle3-tree",
+    ]
     assert drafters.specbench_path == "../shared/specbench/question.jsonl"
 
     grammar = bench_grammar.main.config([])

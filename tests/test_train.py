@@ -320,7 +320,7 @@ def test_evaluate_tau_aggregates_engine_counts(hydra_conf, tmp_path):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_builtin_heads_fit_smollm2(smollm2_dir, method):
     """The heads shipped in specdec/heads load by name for SmolLM2, say how they were made, and stay small."""
     from specdec.drafters.heads import BUILTIN_HEADS_DIR, load_heads
@@ -333,4 +333,6 @@ def test_builtin_heads_fit_smollm2(smollm2_dir, method):
     )
     assert config.training["command"] in (BUILTIN_HEADS_DIR / name / "COMMAND.md").read_text()
     total = sum(f.stat().st_size for d in BUILTIN_HEADS_DIR.iterdir() if d.is_dir() for f in d.iterdir())
-    assert total <= 20 * 1024**2
+    # Medusa 2.7 MB, EAGLE 8.4 MB, EAGLE-3 19.7 MB (bf16; its 2H-wide layer and an 8,192-row LM head):
+    # the wheel's budget for built-in heads is 32 MiB.
+    assert total <= 32 * 1024**2
