@@ -8,7 +8,8 @@ home directory shared between machines is safe. A build that fails logs one warn
 every kernel then falls back to its torch reference.
 
 ``SPECDEC_FORCE_REFERENCE=1`` turns every kernel off (the references run); each kernel module has its own
-switch too (``SPECDEC_CPU_GEMV=0``, ``SPECDEC_CPU_ATTENTION=0``).
+switch too (``SPECDEC_CPU_GEMV=0``, ``SPECDEC_CPU_ATTENTION=0``), and ``SPECDEC_CPU_BF16_DOT=0`` keeps
+bfloat16 products on the AVX2 path where the CPU has AVX512_BF16.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ import torch
 logger = logging.getLogger("kernels.cpu_ext")
 
 _CSRC = Path(__file__).parent / "csrc"
+
+#: ``SPECDEC_CPU_BF16_DOT=0``: bfloat16 products take the AVX2 path even where the CPU has AVX512_BF16 (A/B
+#: measurements; see kernels.cpu_gemv.bf16_dot).
+BF16_DOT_ENV = "SPECDEC_CPU_BF16_DOT"
 
 #: A build lock older than this (seconds) was left by a killed build (a build takes 1-2 minutes here).
 STALE_LOCK_S = 600.0
@@ -75,13 +80,16 @@ def load_extension() -> Any | None:
         logger.info("loading the CPU kernels (built once per machine, about a minute on 2 cores)")
         name = f"specdec_cpu_kernels_{key}"
         clear_stale_lock(name)
-        return load(
+        module = load(
             name,
             sources=[str(p) for p in sources],
             extra_include_paths=[str(_CSRC)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
+        if os.environ.get(BF16_DOT_ENV) == "0":
+            module.set_bf16_dot(False)
+        return module
     except Exception as e:  # no compiler, no ninja, an unsupported CPU: the references serve
         logger.warning(
             "the CPU kernels did not build (%s: %s); using the torch references", type(e).__name__, e

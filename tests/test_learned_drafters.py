@@ -132,6 +132,25 @@ def test_random_heads_greedy_equality(random_setup, name, batch):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_heads_take_the_targets_cpu_linears(random_setup, method):
+    """A head's linears run the CPU GEMV kernel like the target's (a draft step is one or a few rows,
+    where F.linear streams bfloat16 at half the kernel's speed); outputs stay plain decoding's."""
+    from kernels import cpu_gemv
+    from specdec.models.cpu_linear import GemvLinear
+
+    prompts, max_tokens = _prompts(2, VOCAB), [12, 15]
+    base, _ = _run(random_setup / "target", prompts, max_tokens)
+    got, llm = _run(
+        random_setup / "target", prompts, max_tokens, {"method": method, "model": str(random_setup / method)}
+    )
+    assert got == base
+    drafter = llm.engine.drafter
+    heads = drafter.heads if method == "medusa" else drafter.head
+    kinds = {type(m) for m in heads.modules() if isinstance(m, (torch.nn.Linear, GemvLinear))}
+    assert kinds == ({GemvLinear} if cpu_gemv.available() else {torch.nn.Linear})
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("batch", [1, 4])
 def test_copying_heads_are_always_accepted(perm_setup, name, batch):

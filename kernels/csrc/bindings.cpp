@@ -3,6 +3,8 @@
 #include "cpu_simd.h"
 
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
+bool has_bf16_dot();
+bool set_bf16_dot(bool enabled);
 void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
                            torch::Tensor q_len, torch::Tensor seq_len, torch::Tensor mask_offset,
@@ -28,5 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_short", &paged_attention_short,
         "paged attention of short queries (kernels/csrc/cpu_attention.cpp)");
   m.def("write_kv", &write_kv, "store new K/V rows at their cache slots (kernels/csrc/cpu_attention.cpp)");
+  m.def("has_bf16_dot", &has_bf16_dot,
+        "whether bfloat16 products use AVX-512 BF16 dot products (kernels/csrc/cpu_gemv_bf16dp.h)");
+  m.def("set_bf16_dot", &set_bf16_dot, "use (true) or skip (false) the AVX-512 BF16 kernel; returns has_bf16_dot()");
   m.def("has_avx2", &specdec_cpu::has_avx2, "whether the kernels were compiled with AVX2 + FMA");
 }

@@ -5,12 +5,14 @@
 // once for all M input rows (up to 8 at a time, so a verification of k + 1 <= 8 rows reads each weight
 // once). float32 and bfloat16 weights (bfloat16 widened to float32 in registers, see load16) and
 // inputs; float32 accumulation, 8-lane AVX2 FMA with two accumulators per row when the compiler targets AVX2, a scalar
-// loop otherwise. Reference: kernels/cpu_gemv.py:gemv_reference (F.linear); tests/kernels/test_cpu_gemv.py.
+// loop otherwise. bfloat16 weights with bfloat16 inputs on a CPU with AVX512_BF16: cpu_gemv_bf16dp.h instead. Reference: kernels/cpu_gemv.py:gemv_reference (F.linear); tests/kernels/test_cpu_gemv.py.
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 #include "cpu_simd.h"
+#include "cpu_gemv_bf16dp.h"
 
 namespace {
 
@@ -131,6 +133,22 @@ void gemv_typed(const torch::Tensor& x, const torch::Tensor& w, const float* bia
 
 }  // namespace
 
+// Whether bfloat16 x bfloat16 products use the AVX-512 BF16 dot-product kernel (cpu_gemv_bf16dp.h): built
+// with it and not switched off. set_bf16_dot(false) selects the AVX2 path (A/B measurements, tests);
+// returns whether the kernel is in use after the call.
+static std::atomic<bool> use_bf16_dot{true};
+bool has_bf16_dot() {
+#ifdef SPECDEC_BF16DP
+  return use_bf16_dot.load();
+#else
+  return false;
+#endif
+}
+bool set_bf16_dot(bool enabled) {
+  use_bf16_dot.store(enabled);
+  return has_bf16_dot();
+}
+
 // x [M, K] (float32 or bfloat16, unit stride along K), w [N, K] (float32 or bfloat16, contiguous), bias
 // [N], or undefined / empty for none. Returns y [M, N] in x's dtype.
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
@@ -149,6 +167,15 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
     bp = bf.data_ptr<float>();
   }
   const bool wf = w.scalar_type() == torch::kFloat32, xf = x.scalar_type() == torch::kFloat32;
+#ifdef SPECDEC_BF16DP
+  if (!wf && !xf && use_bf16_dot.load()) {  // bfloat16 x bfloat16: AVX-512 BF16 (cpu_gemv_bf16dp.h)
+    specdec_cpu_bf16dp::gemv(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0),
+                             reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bp,
+                             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), x.size(0), w.size(0),
+                             w.size(1));
+    return y;
+  }
+#endif
   if (wf && xf) gemv_typed<float, float>(x, w, bp, y);
   else if (wf) gemv_typed<float, at::BFloat16>(x, w, bp, y);
   else if (xf) gemv_typed<at::BFloat16, float>(x, w, bp, y);

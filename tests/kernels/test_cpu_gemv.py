@@ -41,6 +41,31 @@ def test_kernel_equals_reference(dtype, n, k, with_bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bf16_dot", [False, True], ids=["avx2", "avx512-bf16"])
+@pytest.mark.parametrize("k", [45, 100, 576])
+def test_bfloat16_paths_equal_reference(bf16_dot, k):
+    """Both bfloat16 x bfloat16 paths (the AVX-512 BF16 dot-product kernel where this CPU has it, the AVX2
+    one always) against F.linear in float32: K with a masked tail, rows 1-16 and 40 (passes of 16), inputs
+    with a row stride wider than K (a view), bias in bfloat16."""
+    if bf16_dot and not cpu_gemv.bf16_dot():
+        pytest.skip("this CPU has no AVX512_BF16 (or the extension was built without it)")
+    built = cpu_gemv.bf16_dot()
+    try:
+        assert cpu_gemv.bf16_dot(bf16_dot) == bf16_dot
+        g = torch.Generator().manual_seed(k)
+        w = (torch.randn(37, k, generator=g) * 0.05).bfloat16()
+        b = torch.randn(37, generator=g).bfloat16()
+        for m in [*range(1, 17), 40]:
+            x = torch.randn(m, k + 7, generator=g).bfloat16()[:, 3 : 3 + k]  # row stride k + 7
+            got = cpu_gemv.cpu_gemv(x, w, b)
+            want = F.linear(x.float(), w.float(), b.float())
+            assert got.dtype == torch.bfloat16 and got.shape == (m, 37)
+            torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
+    finally:
+        cpu_gemv.bf16_dot(built)
+
+
+@needs_kernel
 def test_dispatch_rules():
     w = torch.randn(8, 32)
     x = torch.randn(3, 32)
