@@ -45,7 +45,7 @@ def test_kernel_equals_reference(dtype, n, k, with_bias):
 @pytest.mark.parametrize("k", [45, 100, 576])
 def test_bfloat16_paths_equal_reference(bf16_dot, k):
     """Both bfloat16 x bfloat16 paths (the AVX-512 BF16 dot-product kernel where this CPU has it, the AVX2
-    one always) against F.linear in float32: K with a masked tail, rows 1-16 and 40 (passes of 16), inputs
+    one always) against F.linear in float32: K with a masked tail, rows 1-17, 25 and 40 (passes), inputs
     with a row stride wider than K (a view), bias in bfloat16."""
     if bf16_dot and not cpu_gemv.bf16_dot():
         pytest.skip("this CPU has no AVX512_BF16 (or the extension was built without it)")
@@ -55,7 +55,7 @@ def test_bfloat16_paths_equal_reference(bf16_dot, k):
         g = torch.Generator().manual_seed(k)
         w = (torch.randn(37, k, generator=g) * 0.05).bfloat16()
         b = torch.randn(37, generator=g).bfloat16()
-        for m in [*range(1, 17), 40]:
+        for m in [*range(1, 18), 25, 40]:
             x = torch.randn(m, k + 7, generator=g).bfloat16()[:, 3 : 3 + k]  # row stride k + 7
             got = cpu_gemv.cpu_gemv(x, w, b)
             want = F.linear(x.float(), w.float(), b.float())
@@ -79,6 +79,10 @@ def test_dispatch_rules():
             torch.testing.assert_close(cpu_gemv.gemv(wide_bf16, w_bf16).float(), want, rtol=2**-7, atol=1e-3)
         else:
             assert torch.equal(cpu_gemv.gemv(wide_bf16, w_bf16), F.linear(wide_bf16, w_bf16))
+        rows17 = torch.randn(17, 32).bfloat16()  # a 16-node tree and its root
+        if cpu_gemv.bf16_dot():  # the AVX-512 BF16 kernel takes trees of 16 nodes and their root
+            assert cpu_gemv.max_rows(torch.bfloat16) >= 17
+            assert torch.equal(cpu_gemv.gemv(rows17, w_bf16), cpu_gemv.cpu_gemv(rows17, w_bf16, None))
         batched = torch.randn(2, 3, 32)  # leading dimensions are flattened and restored
         assert cpu_gemv.gemv(batched, w).shape == (2, 3, 8)
     x.requires_grad_(True)
