@@ -57,6 +57,15 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "eagle-tree": {"method": "eagle", "num_speculative_tokens": 5, "tree": "dynamic", "tree_topk": 4},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 4},
     "eagle3-tree": {"method": "eagle3", "num_speculative_tokens": 5, "tree": "dynamic", "tree_topk": 4},
+    # The EAGLE-2 head drafting over the target's EAGLE-3 head's draft vocabulary ({model}: the target).
+    "eagle-v8k": {"method": "eagle", "num_speculative_tokens": 4, "draft_vocab": "{model}-eagle3"},
+    "eagle-v8k-tree": {
+        "method": "eagle",
+        "num_speculative_tokens": 5,
+        "tree": "dynamic",
+        "tree_topk": 4,
+        "draft_vocab": "{model}-eagle3",
+    },
 }
 DEFAULT_SPECBENCH = "../shared/specbench/question.jsonl"
 
@@ -103,13 +112,19 @@ class BenchDraftersConfig(HarnessConfig):
         require_subset("methods", self.methods, method_names())
 
 
-def method_spec(name: str) -> dict[str, Any] | None:
-    """The ``speculative_config`` of a ``methods`` name: a row of :data:`METHODS`, else any registered
-    drafter (:func:`specdec.drafters.drafter_names`) as a chain of 4."""
+def method_spec(name: str, model: str = "") -> dict[str, Any] | None:
+    """The ``speculative_config`` of a ``methods`` name: a row of :data:`METHODS` (``{model}`` in its
+    strings replaced by ``model``), else any registered drafter (:func:`specdec.drafters.drafter_names`) as
+    a chain of 4."""
     from specdec.drafters.registry import drafter_names
 
     if name in METHODS:
-        return METHODS[name]
+        row = METHODS[name]
+        return (
+            None
+            if row is None
+            else {k: v.format(model=model) if isinstance(v, str) else v for k, v in row.items()}
+        )
     if name in drafter_names():
         return {"method": name, "num_speculative_tokens": 4}
     raise ConfigError(f"methods must be a non-empty subset of {method_names()}, got unknown {name!r}")
@@ -175,7 +190,7 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     from experiments.run import load_tokenizer, prompt_token_ids
     from specdec.zoo import resolve_model
 
-    specs = {name: method_spec(name) for name in cfg.methods}
+    specs = {name: method_spec(name, cfg.model) for name in cfg.methods}
     prompts = load_prompts(cfg.prompts, cfg.limit, cfg.per_category, cfg.specbench_path)
     ids = prompt_token_ids(load_tokenizer(cfg.model), prompts)
     cats = [p.category for p in prompts]

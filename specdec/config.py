@@ -243,6 +243,12 @@ class SpeculativeConfig:
             what another request wrote (see :mod:`specdec.drafters.suffix`).
         hybrid_members: "hybrid": the drafters it chooses among per request and step (None:
             ``["suffix", "ngram"]``); see :mod:`specdec.drafters.hybrid`.
+        draft_vocab: "eagle": draft from a reduced vocabulary (EAGLE-3's idea, for the EAGLE-2 head): a
+            list of target token ids, or the name or directory of an EAGLE-3 head for the same target whose
+            draft vocabulary (its ``d2t``: the most frequent target tokens of its training data) to take.
+            Each draft token then costs the target's LM-head rows of those tokens only. None: the whole
+            vocabulary. Drafts are verified as always, so outputs stay exact; acceptance can only fall
+            where the target's token lies outside the vocabulary.
 
     Raises:
         ConfigError (a ValueError): unknown method (the message names the registered ones), k outside
@@ -272,6 +278,7 @@ class SpeculativeConfig:
     suffix_cache_max_nodes: int = 1 << 20
     suffix_share_across_requests: bool = False
     hybrid_members: list[str] | None = None
+    draft_vocab: list[int] | str | None = None
 
     def __post_init__(self) -> None:
         from specdec.drafters.registry import drafter_names, get_drafter
@@ -321,6 +328,18 @@ class SpeculativeConfig:
                     f"{name.name}={value!r} applies to method {' or '.join(map(repr, takers))} only "
                     f"(method is {self.method!r})"
                 )
+        if self.draft_vocab is not None and not isinstance(self.draft_vocab, str):
+            ids = self.draft_vocab
+            if (
+                not isinstance(ids, (list, tuple))
+                or not ids
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+            ):
+                raise ConfigError(
+                    "draft_vocab must be a non-empty list of target token ids (non-negative ints) or the "
+                    f"name or directory of an EAGLE-3 head, got {ids!r}"
+                )
+            self.draft_vocab = list(ids)
         self.build_policy()  # unknown names and bad parameters fail here, before any weights load
         if entry.check_config is not None:
             entry.check_config(self)

@@ -64,6 +64,8 @@ def test_defaults_are_the_old_argparse_defaults():
         "eagle-tree",
         "eagle3",
         "eagle3-tree",
+        "eagle-v8k",
+        "eagle-v8k-tree",
     ]
     assert drafters.specbench_path == "../shared/specbench/question.jsonl"
 

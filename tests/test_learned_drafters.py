@@ -171,6 +171,52 @@ def test_copying_heads_are_always_accepted(perm_setup, name, batch):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
+@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree"])
+def test_eagle_reduced_vocabulary(perm_setup, name):
+    """``draft_vocab`` (the EAGLE-2 head drafting over a subset of the target's vocabulary): with the
+    copying head, a vocabulary holding the continuation's tokens keeps every first draft accepted, one
+    without them gets no draft accepted, and the output is plain greedy decoding's either way."""
+    prompts = _prompts(2, PERM_VOCAB)
+    max_tokens = [21, 25]
+    base, _ = _run(perm_setup / "target", prompts, max_tokens)
+    needed = sorted({t for out in base for t in out})
+    spec = dict(SPECS[name], model=str(perm_setup / "eagle"))
+    k = spec["num_speculative_tokens"]
+    got, llm = _run(perm_setup / "target", prompts, max_tokens, dict(spec, draft_vocab=needed))
+    assert got == base and len(llm.engine.drafter._vocab_ids) == len(needed) < PERM_VOCAB
+    assert llm.engine.spec_stats.mean_acceptance_length > 0.8 * (k + 1)
+    others = [t for t in range(PERM_VOCAB) if t not in needed]
+    got, llm = _run(perm_setup / "target", prompts, max_tokens, dict(spec, draft_vocab=others))
+    assert got == base
+    assert llm.engine.spec_stats.num_drafts > 0 and llm.engine.spec_stats.num_accepted_tokens == 0
+
+
+def test_draft_vocab_errors(random_setup, perm_setup):
+    from specdec.config import SpeculativeConfig
+
+    eagle = {"method": "eagle", "model": str(random_setup / "eagle")}
+    for bad in ([], [1, -2], [1.5], [True], {"a": 1}):
+        with pytest.raises(ConfigError, match="draft_vocab"):
+            SpeculativeConfig(**eagle, draft_vocab=bad)
+    with pytest.raises(ConfigError, match=r"draft_vocab=.* applies to method 'eagle' only"):
+        SpeculativeConfig(method="ngram", draft_vocab=[1, 2])
+    with pytest.raises(ConfigError, match="outside the target's vocabulary"):
+        LLM(
+            random_setup / "target",
+            skip_tokenizer_init=True,
+            speculative_config=dict(eagle, draft_vocab=[3, VOCAB]),
+        )
+    tree = dict(eagle, tree="dynamic", tree_topk=3, draft_vocab=[3, 4])
+    with pytest.raises(ConfigError, match="tree_topk=3 exceeds the draft vocabulary"):
+        LLM(random_setup / "target", skip_tokenizer_init=True, speculative_config=tree)
+    with pytest.raises(ConfigError, match="no draft heads named"):
+        LLM(
+            random_setup / "target",
+            skip_tokenizer_init=True,
+            speculative_config=dict(eagle, draft_vocab="nope"),
+        )
+
+
 def test_sampled_requests_run_with_trees(random_setup):
     """Sampled requests with a tree: tokens stay in range and seeded runs repeat (exactness itself is
     proven by tests/test_tree_verification.py)."""
@@ -257,6 +303,8 @@ def test_smollm2_with_our_heads_greedy_equality(smollm2_dir, smol_reference):
         {"method": "eagle", "num_speculative_tokens": 5, "tree": "dynamic"},
         {"method": "eagle3", "num_speculative_tokens": 4},
         {"method": "eagle3", "num_speculative_tokens": 5, "tree": "dynamic"},
+        # The EAGLE-2 head over the EAGLE-3 head's 8,192-token draft vocabulary.
+        {"method": "eagle", "num_speculative_tokens": 4, "draft_vocab": "smollm2-135m-instruct-eagle3"},
     ]
     sp = SamplingParams(temperature=0, max_tokens=64)
     for spec in specs:

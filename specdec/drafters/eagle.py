@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_gemv import gemv
 from specdec.attention.base import AttentionMetadata
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
 from specdec.drafters.heads import EagleHead, load_heads
@@ -89,24 +90,30 @@ class _DenseTreeAttention:
         return o.transpose(0, 1)
 
 
-@register_drafter("eagle", model="heads", trees=(None, "dynamic"), fields=("tree_topk", "max_tree_nodes"))
+@register_drafter(
+    "eagle", model="heads", trees=(None, "dynamic"), fields=("tree_topk", "max_tree_nodes", "draft_vocab")
+)
 class EagleDrafter(DrafterBase):
     """EAGLE (Li et al. 2024): one decoder layer in the target's feature space; chain or EAGLE-2 tree.
 
     Args:
         ctx: ``ctx.target`` (its embedding and LM head are shared with the head); ``ctx.model_dir`` the
             head's directory; ``ctx.config``: ``num_speculative_tokens`` (chain length / tree depth),
-            ``tree`` None or "dynamic", ``tree_topk``, ``max_tree_nodes``.
+            ``tree`` None or "dynamic", ``tree_topk``, ``max_tree_nodes``, ``draft_vocab`` (a reduced
+            draft vocabulary: the LM head's rows of those tokens only, ``[V', H]``, copied once).
         head: an already loaded :class:`EagleHead` (tests); None loads it from ``ctx.model_dir``.
 
     Its own KV (the head's K/V on the target's block tables) is allocated by :meth:`bind_kv`.
 
     Raises:
-        ConfigError: ``tree_topk`` larger than the vocabulary.
+        ConfigError: ``tree_topk`` larger than the vocabulary; ``draft_vocab`` ids outside the target's
+            vocabulary, or an EAGLE-3 head for another target.
         CorruptModelError, InvalidRequestError: see :func:`specdec.drafters.heads.load_heads`.
     """
 
     uses_hidden_states = True
+    #: ``[V']`` int64 target ids of the reduced draft vocabulary (``draft_vocab``), None for the whole one.
+    _vocab_ids: torch.Tensor | None = None
 
     def __init__(self, ctx: DrafterContext, head: EagleHead | None = None) -> None:
         target, config = ctx.target, ctx.config
@@ -114,6 +121,12 @@ class EagleDrafter(DrafterBase):
             assert ctx.model_dir is not None, "the registry resolves the head's directory"
             head = self._load_head(ctx)
         vocab = self._draft_vocab_size(head, target.cfg.vocab_size)
+        if getattr(config, "draft_vocab", None) is not None:
+            self._vocab_ids = draft_vocab_ids(config.draft_vocab, target, ctx.dtype)
+            self._vocab_head = target.lm_head.weight.detach()[
+                self._vocab_ids.to(target.lm_head.weight.device)
+            ]
+            vocab = len(self._vocab_ids)
         if config.tree == "dynamic" and config.tree_topk > vocab:
             raise ConfigError(f"tree_topk={config.tree_topk} exceeds the draft vocabulary ({vocab} tokens)")
         self.target = target
@@ -170,11 +183,14 @@ class EagleDrafter(DrafterBase):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[R, V']`` float32 of predicted hidden states ``[R, H]`` (EAGLE: the target's
         LM head over its whole vocabulary, ``V' = V``)."""
+        if self._vocab_ids is not None:  # reduced: the LM head's rows of the draft vocabulary only
+            return gemv(hidden.to(self._vocab_head.dtype), self._vocab_head).float()
         return self.target.logits(hidden.to(self.target.dtype))
 
     def _to_target(self, indices: torch.Tensor) -> torch.Tensor:
-        """Target token ids of indices into :meth:`_logits`' columns (EAGLE: the same)."""
-        return indices
+        """Target token ids of indices into :meth:`_logits`' columns (EAGLE: the same, or the reduced
+        vocabulary's ids)."""
+        return indices if self._vocab_ids is None else self._vocab_ids.to(indices.device)[indices]
 
     def _choose(
         self, logits: torch.Tensor, batch: list[DraftInput], proposals: list[DraftProposal]
@@ -307,3 +323,30 @@ class EagleDrafter(DrafterBase):
         keep = select_top_nodes(scores, parents, budget)
         index = {c: j for j, c in enumerate(keep)}
         return DraftProposal([tokens[c] for c in keep], parents=[index.get(parents[c], -1) for c in keep])
+
+
+def draft_vocab_ids(
+    draft_vocab: list[int] | str, target: torch.nn.Module, dtype: torch.dtype
+) -> torch.Tensor:
+    """The sorted target ids ``[V']`` (int64) of a reduced draft vocabulary: ``draft_vocab`` a list of ids,
+    or an EAGLE-3 head (name or directory) whose ``d2t`` map to take.
+
+    Raises:
+        ConfigError: ids outside ``[0, vocab_size)``; CorruptModelError / InvalidRequestError from loading
+            the EAGLE-3 head (another target's head among them).
+    """
+    vocab_size = target.cfg.vocab_size
+    if isinstance(draft_vocab, str):
+        from specdec.drafters.eagle3_layouts import load_eagle3_head
+        from specdec.drafters.heads import resolve_heads_dir
+
+        head, _ = load_eagle3_head(resolve_heads_dir(draft_vocab), target.cfg, dtype, "cpu")
+        ids = sorted(set(head.target_ids().tolist()))
+    else:
+        ids = sorted(set(draft_vocab))
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ConfigError(
+                f"draft_vocab ids {bad[:5]} are outside the target's vocabulary [0, {vocab_size})"
+            )
+    return torch.tensor(ids, dtype=torch.long)
