@@ -1,4 +1,5 @@
-"""EAGLE-3 with a reduced draft vocabulary samples exactly the target's distribution.
+"""EAGLE-3 with a reduced draft vocabulary, and the EAGLE-2 head with one (``draft_vocab``), sample exactly
+the target's distribution.
 
 The set-up of :mod:`tests.test_spec_distribution` (a tiny random Llama with a vocabulary of 8, the exact
 joint distribution of the first three generated tokens enumerated in float64, mixed batches of seeded,
@@ -13,6 +14,10 @@ streams (0, 1, 2):
 40,000 sampled requests per mode. Negative control (must fail the same test): the drafter samples from
 the masked distribution but reports the *unmasked* one (the tokens outside the draft vocabulary given
 the lowest draft logit instead of -inf), the bug a reduced vocabulary invites; 5,000 requests at T = 1.
+
+The EAGLE-2 head over the same 5-token ``draft_vocab`` (deterministic drafts, chains and trees): 20,000
+sampled requests per mode; its negative control reports the top-1 drafts with the reduced head's softmax
+as ``draft_probs`` (a deterministic draft claimed to be a draw), which the same test must reject.
 """
 
 from __future__ import annotations
@@ -140,4 +145,92 @@ def test_unmasked_draft_probs_fail_the_same_test(setup, monkeypatch):
     llm = make_llm(setup, tree=False)
     counts = sample_counts(llm, NUM_CONTROL_CALLS, seed_base=9 * 10**6, temperatures=(1.0,))
     res = assert_differs(setup["exact"][1.0], counts[1.0], label="control: unmasked draft_probs, T=1.0")
+    assert res.pvalue < ALPHA * 1e-3
+
+
+# ---------------------------------------------------------------- the EAGLE-2 head, reduced vocabulary
+NUM_EAGLE_CALLS = 8  # 20,000 sampled requests per mode
+
+
+@pytest.fixture(scope="module")
+def eagle_head(setup):
+    """A random EAGLE-2 head for the same tiny target (drafting over ``DRAFT_VOCAB`` via ``draft_vocab``)."""
+    from specdec.drafters.heads import build_heads
+
+    arch = ModelArchConfig.from_pretrained(setup["target"])
+    cfg = HeadConfig(
+        method="eagle", target="tiny", hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+        arch=arch_fields(arch),
+    )  # fmt: skip
+    torch.manual_seed(12)
+    head = build_heads(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    out = setup["target"].parent / "eagle_head"
+    save_heads(head, cfg, out)
+    return out
+
+
+def make_eagle_llm(setup, head, tree: bool) -> LLM:
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": K, "draft_vocab": DRAFT_VOCAB}
+    if tree:
+        spec.update(tree="dynamic", tree_topk=2, max_tree_nodes=4)
+    n = BATCH + NUM_GREEDY
+    return LLM(
+        setup["target"], skip_tokenizer_init=True, speculative_config=spec, seed=4321, block_size=4,
+        num_kv_blocks=4 * n + 16, max_model_len=32, max_num_seqs=n,
+        max_num_batched_tokens=n * (len(PROMPT) + 8),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_eagle_reduced_vocabulary_output_distribution_matches_target(setup, eagle_head, tree):
+    """The EAGLE-2 head over a 5-of-8-token ``draft_vocab``: deterministic drafts (top-1 chains, top-k
+    trees) from the reduced LM head, every draft inside the vocabulary; the first three tokens follow the
+    target's exact distribution."""
+    llm = make_eagle_llm(setup, eagle_head, tree)
+    drafted: list[int] = []
+    drafter = llm.engine.drafter
+    to_target = drafter._to_target
+
+    def recording(indices):
+        ids = to_target(indices)
+        drafted.extend(ids.flatten().tolist())
+        return ids
+
+    drafter._to_target = recording
+    counts = sample_counts(llm, NUM_EAGLE_CALLS, seed_base=11 * 10**6, greedy_chain=setup["greedy"])
+    label = f"eagle draft_vocab {'tree' if tree else 'chain'}"
+    check_all(setup, counts, label)
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > NUM_EAGLE_CALLS * BATCH // 4
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert drafted and set(drafted) <= set(DRAFT_VOCAB)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_eagle_drafts_reported_as_sampled_fail_the_same_test(setup, eagle_head, monkeypatch):
+    """Negative control: the reduced head's top-1 drafts reported with the head's softmax over the draft
+    vocabulary as ``draft_probs`` (as if sampled from it) — a deterministic draft claimed to be a draw —
+    must be rejected."""
+    from specdec.drafters.eagle import EagleDrafter
+
+    choose = EagleDrafter._choose
+
+    def claiming(self, logits, batch, proposals):
+        tokens = choose(self, logits, batch, proposals)
+        full = torch.zeros(logits.shape[0], V)
+        full[:, self._vocab_ids] = torch.softmax(logits.float(), dim=-1)
+        for proposal, row in zip(proposals, full):
+            prev = proposal.draft_probs
+            proposal.draft_probs = row[None] if prev is None else torch.cat([prev, row[None]])
+        return tokens
+
+    monkeypatch.setattr(EagleDrafter, "_choose", claiming)
+    llm = make_eagle_llm(setup, eagle_head, tree=False)
+    counts = sample_counts(llm, NUM_CONTROL_CALLS, seed_base=13 * 10**6, temperatures=(1.0,))
+    res = assert_differs(
+        setup["exact"][1.0], counts[1.0], label="control: top-1 drafts claimed as draws, T=1.0"
+    )
     assert res.pvalue < ALPHA * 1e-3
