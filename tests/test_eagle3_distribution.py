@@ -221,7 +221,7 @@ def test_eagle_drafts_reported_as_sampled_fail_the_same_test(setup, eagle_head, 
     def claiming(self, logits, batch, proposals):
         tokens = choose(self, logits, batch, proposals)
         full = torch.zeros(logits.shape[0], V)
-        full[:, self._vocab_ids] = torch.softmax(logits.float(), dim=-1)
+        full[:, self.vocab.ids] = torch.softmax(logits.float(), dim=-1)
         for proposal, row in zip(proposals, full):
             prev = proposal.draft_probs
             proposal.draft_probs = row[None] if prev is None else torch.cat([prev, row[None]])

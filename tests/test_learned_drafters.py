@@ -171,19 +171,20 @@ def test_copying_heads_are_always_accepted(perm_setup, name, batch):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
-@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree"])
-def test_eagle_reduced_vocabulary(perm_setup, name):
-    """``draft_vocab`` (the EAGLE-2 head drafting over a subset of the target's vocabulary): with the
-    copying head, a vocabulary holding the continuation's tokens keeps every first draft accepted, one
-    without them gets no draft accepted, and the output is plain greedy decoding's either way."""
+@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree", "medusa-chain", "medusa-tree"])
+def test_reduced_draft_vocabulary(perm_setup, name):
+    """``draft_vocab`` (the EAGLE-2 head or Medusa drafting over a subset of the target's vocabulary):
+    with the copying heads, a vocabulary holding the continuation's tokens keeps every first draft
+    accepted, one without them gets no draft accepted, and the output is plain greedy decoding's either
+    way."""
     prompts = _prompts(2, PERM_VOCAB)
     max_tokens = [21, 25]
     base, _ = _run(perm_setup / "target", prompts, max_tokens)
     needed = sorted({t for out in base for t in out})
-    spec = dict(SPECS[name], model=str(perm_setup / "eagle"))
+    spec = dict(SPECS[name], model=str(perm_setup / SPECS[name]["method"]))
     k = spec["num_speculative_tokens"]
     got, llm = _run(perm_setup / "target", prompts, max_tokens, dict(spec, draft_vocab=needed))
-    assert got == base and len(llm.engine.drafter._vocab_ids) == len(needed) < PERM_VOCAB
+    assert got == base and len(llm.engine.drafter.vocab) == len(needed) < PERM_VOCAB
     assert llm.engine.spec_stats.mean_acceptance_length > 0.8 * (k + 1)
     others = [t for t in range(PERM_VOCAB) if t not in needed]
     got, llm = _run(perm_setup / "target", prompts, max_tokens, dict(spec, draft_vocab=others))
@@ -198,7 +199,7 @@ def test_draft_vocab_errors(random_setup, perm_setup):
     for bad in ([], [1, -2], [1.5], [True], {"a": 1}):
         with pytest.raises(ConfigError, match="draft_vocab"):
             SpeculativeConfig(**eagle, draft_vocab=bad)
-    with pytest.raises(ConfigError, match=r"draft_vocab=.* applies to method 'eagle' only"):
+    with pytest.raises(ConfigError, match=r"draft_vocab=.* applies to method 'medusa' or 'eagle' only"):
         SpeculativeConfig(method="ngram", draft_vocab=[1, 2])
     with pytest.raises(ConfigError, match="outside the target's vocabulary"):
         LLM(

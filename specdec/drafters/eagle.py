@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemv import gemv
 from specdec.attention.base import AttentionMetadata
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
+from specdec.drafters.draft_vocab import DraftVocab
 from specdec.drafters.heads import EagleHead, load_heads
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.tree import select_top_nodes
@@ -112,8 +112,8 @@ class EagleDrafter(DrafterBase):
     """
 
     uses_hidden_states = True
-    #: ``[V']`` int64 target ids of the reduced draft vocabulary (``draft_vocab``), None for the whole one.
-    _vocab_ids: torch.Tensor | None = None
+    #: The reduced draft vocabulary (``draft_vocab``), None for the whole one.
+    vocab: DraftVocab | None = None
 
     def __init__(self, ctx: DrafterContext, head: EagleHead | None = None) -> None:
         target, config = ctx.target, ctx.config
@@ -122,11 +122,8 @@ class EagleDrafter(DrafterBase):
             head = self._load_head(ctx)
         vocab = self._draft_vocab_size(head, target.cfg.vocab_size)
         if getattr(config, "draft_vocab", None) is not None:
-            self._vocab_ids = draft_vocab_ids(config.draft_vocab, target, ctx.dtype)
-            self._vocab_head = target.lm_head.weight.detach()[
-                self._vocab_ids.to(target.lm_head.weight.device)
-            ]
-            vocab = len(self._vocab_ids)
+            self.vocab = DraftVocab(config.draft_vocab, target, ctx.dtype)
+            vocab = len(self.vocab)
         if config.tree == "dynamic" and config.tree_topk > vocab:
             raise ConfigError(f"tree_topk={config.tree_topk} exceeds the draft vocabulary ({vocab} tokens)")
         self.target = target
@@ -183,14 +180,14 @@ class EagleDrafter(DrafterBase):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[R, V']`` float32 of predicted hidden states ``[R, H]`` (EAGLE: the target's
         LM head over its whole vocabulary, ``V' = V``)."""
-        if self._vocab_ids is not None:  # reduced: the LM head's rows of the draft vocabulary only
-            return gemv(hidden.to(self._vocab_head.dtype), self._vocab_head).float()
+        if self.vocab is not None:  # reduced: the LM head's rows of the draft vocabulary only
+            return self.vocab.logits(hidden)
         return self.target.logits(hidden.to(self.target.dtype))
 
     def _to_target(self, indices: torch.Tensor) -> torch.Tensor:
         """Target token ids of indices into :meth:`_logits`' columns (EAGLE: the same, or the reduced
         vocabulary's ids)."""
-        return indices if self._vocab_ids is None else self._vocab_ids.to(indices.device)[indices]
+        return indices if self.vocab is None else self.vocab.to_target(indices)
 
     def _choose(
         self, logits: torch.Tensor, batch: list[DraftInput], proposals: list[DraftProposal]
@@ -323,30 +320,3 @@ class EagleDrafter(DrafterBase):
         keep = select_top_nodes(scores, parents, budget)
         index = {c: j for j, c in enumerate(keep)}
         return DraftProposal([tokens[c] for c in keep], parents=[index.get(parents[c], -1) for c in keep])
-
-
-def draft_vocab_ids(
-    draft_vocab: list[int] | str, target: torch.nn.Module, dtype: torch.dtype
-) -> torch.Tensor:
-    """The sorted target ids ``[V']`` (int64) of a reduced draft vocabulary: ``draft_vocab`` a list of ids,
-    or an EAGLE-3 head (name or directory) whose ``d2t`` map to take.
-
-    Raises:
-        ConfigError: ids outside ``[0, vocab_size)``; CorruptModelError / InvalidRequestError from loading
-            the EAGLE-3 head (another target's head among them).
-    """
-    vocab_size = target.cfg.vocab_size
-    if isinstance(draft_vocab, str):
-        from specdec.drafters.eagle3_layouts import load_eagle3_head
-        from specdec.drafters.heads import resolve_heads_dir
-
-        head, _ = load_eagle3_head(resolve_heads_dir(draft_vocab), target.cfg, dtype, "cpu")
-        ids = sorted(set(head.target_ids().tolist()))
-    else:
-        ids = sorted(set(draft_vocab))
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise ConfigError(
-                f"draft_vocab ids {bad[:5]} are outside the target's vocabulary [0, {vocab_size})"
-            )
-    return torch.tensor(ids, dtype=torch.long)

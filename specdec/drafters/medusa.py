@@ -15,6 +15,7 @@ import torch
 
 from specdec.config import MAX_TREE_NODES, SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
+from specdec.drafters.draft_vocab import DraftVocab
 from specdec.drafters.heads import MedusaHeads, load_heads
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.tree import StaticTree
@@ -56,7 +57,7 @@ def check_medusa_config(config: SpeculativeConfig) -> None:
     "medusa",
     model="heads",
     trees=(None, "static"),
-    fields=("tree_choices",),
+    fields=("tree_choices", "draft_vocab"),
     check_config=check_medusa_config,
 )
 class MedusaDrafter(DrafterBase):
@@ -65,7 +66,8 @@ class MedusaDrafter(DrafterBase):
     Args:
         ctx: ``ctx.target`` (its LM head turns head outputs into logits); ``ctx.model_dir`` the heads'
             directory; ``ctx.config``: ``num_speculative_tokens`` (chain length / deepest level, at most
-            the number of heads), ``tree`` None or "static", ``tree_choices``.
+            the number of heads), ``tree`` None or "static", ``tree_choices``, ``draft_vocab`` (a reduced
+            draft vocabulary: :class:`~specdec.drafters.draft_vocab.DraftVocab`).
         heads: already loaded heads (tests); None loads them from ``ctx.model_dir``.
 
     Raises:
@@ -91,11 +93,14 @@ class MedusaDrafter(DrafterBase):
         self.heads = heads
         self.config = config
         self.tree = StaticTree.from_choices(config.static_tree_choices()) if config.tree == "static" else None
-        vocab_size = target.cfg.vocab_size
+        self.vocab = (
+            DraftVocab(config.draft_vocab, target, ctx.dtype) if config.draft_vocab is not None else None
+        )
+        vocab_size = target.cfg.vocab_size if self.vocab is None else len(self.vocab)
         if self.tree is not None and self.tree.max_rank >= vocab_size:
             raise ConfigError(
-                f"tree_choices ask for candidate rank {self.tree.max_rank}, but the vocabulary has only "
-                f"{vocab_size} tokens"
+                f"tree_choices ask for candidate rank {self.tree.max_rank}, but the draft vocabulary has "
+                f"only {vocab_size} tokens"
             )
 
         #: request id -> the feature of its last committed token ``[hidden_size]``.
@@ -118,13 +123,17 @@ class MedusaDrafter(DrafterBase):
         features = torch.stack([self.last_feature[batch[i].request.request_id] for i in drafting])  # [B, H]
         depth = min(self.config.num_speculative_tokens, max(batch[i].max_drafts for i in drafting))
         hidden = self.heads(features.to(next(self.heads.parameters()).dtype))[:, :depth]  # [B, depth, H]
-        logits = self.target.logits(hidden.to(self.target.dtype))  # [B, depth, V] float32
+        if self.vocab is None:
+            logits = self.target.logits(hidden.to(self.target.dtype))  # [B, depth, V] float32
+        else:
+            logits = self.vocab.logits(hidden)  # [B, depth, V'] float32
+        to_target = (lambda i: i) if self.vocab is None else self.vocab.to_target
         if self.tree is None:
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = to_target(logits.argmax(dim=-1)).tolist()
             for row, i in enumerate(drafting):
                 proposals[i] = DraftProposal(tokens[row][: batch[i].max_drafts])
             return proposals
-        top = logits.topk(self.tree.max_rank + 1, dim=-1).indices.tolist()  # [B, depth, ranks]
+        top = to_target(logits.topk(self.tree.max_rank + 1, dim=-1).indices).tolist()  # [B, depth, ranks]
         for row, i in enumerate(drafting):
             tree = self.tree
             tokens = [top[row][d - 1][r] if d <= depth else 0 for d, r in zip(tree.depths, tree.ranks)]

@@ -1,0 +1,77 @@
+"""A reduced draft vocabulary over the target's LM head (``speculative_config["draft_vocab"]``).
+
+EAGLE-3 (Li et al. 2025) drafts from the most frequent target tokens only, so a draft token reads that
+many rows of an LM head instead of the whole vocabulary's (SmolLM2: 8,192 of 49,152 rows, 9.4 of 56.6 MB
+in bfloat16). The same idea applies to any drafter that drafts through the target's own LM head: the
+EAGLE-2 head and Medusa take ``draft_vocab`` (a list of target token ids, or an EAGLE-3 head whose
+``d2t`` to take). Their drafts are deterministic (top-1 chains, top-k trees) and verified as always, so
+outputs stay exact; acceptance falls only where the target's token lies outside the vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_gemv import gemv
+from specdec.errors import ConfigError
+
+
+def draft_vocab_ids(
+    draft_vocab: list[int] | str, target: torch.nn.Module, dtype: torch.dtype
+) -> torch.Tensor:
+    """The sorted target ids ``[V']`` (int64) of a reduced draft vocabulary: ``draft_vocab`` a list of ids,
+    or an EAGLE-3 head (name or directory) whose ``d2t`` map to take.
+
+    Raises:
+        ConfigError: ids outside ``[0, vocab_size)``, or no head of that name; CorruptModelError /
+            InvalidRequestError from loading the EAGLE-3 head (another target's head among them).
+    """
+    vocab_size = target.cfg.vocab_size
+    if isinstance(draft_vocab, str):
+        from specdec.drafters.eagle3_layouts import load_eagle3_head
+        from specdec.drafters.heads import resolve_heads_dir
+
+        head, _ = load_eagle3_head(resolve_heads_dir(draft_vocab), target.cfg, dtype, "cpu")
+        ids = sorted(set(head.target_ids().tolist()))
+    else:
+        ids = sorted(set(draft_vocab))
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ConfigError(
+                f"draft_vocab ids {bad[:5]} are outside the target's vocabulary [0, {vocab_size})"
+            )
+    return torch.tensor(ids, dtype=torch.long)
+
+
+class DraftVocab:
+    """The target's LM head restricted to a draft vocabulary.
+
+    Args:
+        draft_vocab: see :func:`draft_vocab_ids`.
+        target: the target :class:`~specdec.models.decoder.DecoderLM` (its ``lm_head.weight`` ``[V, H]``).
+        dtype: the drafter's dtype (for loading an EAGLE-3 head's maps).
+
+    Attributes:
+        ids: ``[V']`` int64 target ids, ascending.
+        weight: ``[V', H]`` the LM head's rows of those ids (a copy, made once).
+
+    Raises:
+        ConfigError: see :func:`draft_vocab_ids`.
+    """
+
+    def __init__(self, draft_vocab: list[int] | str, target: torch.nn.Module, dtype: torch.dtype) -> None:
+        self.ids = draft_vocab_ids(draft_vocab, target, dtype)
+        weight = target.lm_head.weight.detach()
+        self.weight = weight[self.ids.to(weight.device)]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[..., V']`` float32 of final-norm hidden states ``[..., H]`` (no soft-capping:
+        monotone, so the top-k drafts are the same)."""
+        return gemv(hidden.to(self.weight.dtype), self.weight).float()
+
+    def to_target(self, indices: torch.Tensor) -> torch.Tensor:
+        """Target ids of indices into :meth:`logits`' last dimension (any shape)."""
+        return self.ids.to(indices.device)[indices]
