@@ -305,7 +305,27 @@ class HeadDrafterConfig(DrafterConfig):
 
 
 @dataclass
-class MedusaDrafterConfig(HeadDrafterConfig):
+class ReducedVocabHeadConfig(HeadDrafterConfig):
+    """A head drafting through the target's LM head, optionally over a reduced vocabulary.
+
+    Attributes:
+        draft_vocab: None (the whole vocabulary), a list of target token ids, or the name or directory of
+            an EAGLE-3 head whose draft vocabulary to take
+            (``drafter.draft_vocab=smollm2-135m-instruct-eagle3``; :mod:`specdec.drafters.draft_vocab`).
+    """
+
+    draft_vocab: Any = None
+
+    def _method_config(self) -> dict[str, Any] | None:
+        spec = super()._method_config()
+        if spec is not None and self.draft_vocab is not None:
+            vocab = self.draft_vocab
+            spec["draft_vocab"] = vocab if isinstance(vocab, str) else [int(i) for i in vocab]
+        return spec
+
+
+@dataclass
+class MedusaDrafterConfig(ReducedVocabHeadConfig):
     """Medusa-1 heads (Cai et al. 2024) on the target's last hidden state: head k drafts the token k + 1
     steps ahead, a chain or a static tree of their top candidates."""
 
@@ -314,7 +334,7 @@ class MedusaDrafterConfig(HeadDrafterConfig):
 
 
 @dataclass
-class EagleDrafterConfig(HeadDrafterConfig):
+class EagleDrafterConfig(ReducedVocabHeadConfig):
     """The EAGLE head (Li et al. 2024): one decoder layer, autoregressive in the target's feature space;
     a chain or a dynamic tree (EAGLE-2)."""
 

@@ -346,6 +346,12 @@ def test_user_overrides(hydra_conf, monkeypatch):
     assert (cfg.dataset.path, cfg.dataset.limit) == ("/data/q.jsonl", 5)
     assert (cfg.sampling.temperature, cfg.max_tokens) == (0.7, 32)
     assert load_cfg("drafter=none").drafter.speculative_config() is None
+    # A reduced draft vocabulary for the EAGLE-2 head and Medusa: an EAGLE-3 head's name, or token ids.
+    eagle = load_cfg("drafter=eagle", "drafter.draft_vocab=smollm2-135m-instruct-eagle3").drafter
+    assert eagle.speculative_config()["draft_vocab"] == "smollm2-135m-instruct-eagle3"
+    medusa = load_cfg("drafter=medusa", "drafter.draft_vocab=[3,1,2]").drafter
+    assert medusa.speculative_config()["draft_vocab"] == [3, 1, 2]
+    assert "draft_vocab" not in load_cfg("drafter=eagle").drafter.speculative_config()
     assert (
         config_to_dict(load_cfg("dataset=jsonl"))["dataset"]["path"] == "../shared/specbench/question.jsonl"
     )
