@@ -57,7 +57,9 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "eagle-tree": {"method": "eagle", "num_speculative_tokens": 5, "tree": "dynamic", "tree_topk": 4},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 4},
     "eagle3-tree": {"method": "eagle3", "num_speculative_tokens": 5, "tree": "dynamic", "tree_topk": 4},
-    # The EAGLE-2 head drafting over the target's EAGLE-3 head's draft vocabulary ({model}: the target).
+    # Medusa and the EAGLE-2 head drafting over the target's EAGLE-3 head's draft vocabulary ({model}: the
+    # target).
+    "medusa-v8k": {"method": "medusa", "num_speculative_tokens": 4, "draft_vocab": "{model}-eagle3"},
     "eagle-v8k": {"method": "eagle", "num_speculative_tokens": 4, "draft_vocab": "{model}-eagle3"},
     "eagle-v8k-tree": {
         "method": "eagle",

@@ -64,6 +64,7 @@ def test_defaults_are_the_old_argparse_defaults():
         "eagle-tree",
         "eagle3",
         "eagle3-tree",
+        "medusa-v8k",
         "eagle-v8k",
         "eagle-v8k-tree",
     ]
