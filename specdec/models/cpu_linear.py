@@ -30,6 +30,7 @@ class GemvLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.use_kernel = cpu_gemv.available()
+        cpu_gemv.max_rows(linear.weight.dtype)  # decided now, not inside a torch.compile trace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_gemv.gemv(x, self.weight, self.bias, self.use_kernel)
