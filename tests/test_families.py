@@ -87,7 +87,7 @@ FAMILIES = {
 }
 
 
-def make_family_model(name: str, seed: int = 0):
+def make_family_model(name: str, seed: int = 0, vocab_size: int = VOCAB):
     """A randomly initialised transformers model of ``FAMILIES[name]`` (float32, 2 layers, hidden 64)."""
     import transformers as tf
 
@@ -101,7 +101,7 @@ def make_family_model(name: str, seed: int = 0):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
     }[family]
     fields = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
@@ -440,10 +440,12 @@ def test_beam_search_under_window_release_equals_transformers(family_dirs, fast_
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_learned_heads_greedy_equal_transformers(family_dirs, hf_refs, name, fast_cpu_settings, tmp_path):
     """Random Medusa heads drafting chains and static token trees (trees under sliding windows on the
-    Mistral and Gemma targets), and random EAGLE heads where the family allows them: greedy output
-    unchanged. EAGLE on a windowed or soft-capped target is refused with ConfigError."""
-    from specdec.drafters.heads import HeadConfig, arch_fields, build_heads, save_heads
-    from specdec.errors import ConfigError
+    Mistral and Gemma targets), random EAGLE heads (chains and EAGLE-2 trees) and random EAGLE-3 heads
+    (chains over a reduced draft vocabulary, trees) on every family, windowed and soft-capped targets
+    included: greedy output unchanged. The EAGLE heads attend globally without soft-capping
+    (:func:`~specdec.drafters.heads.head_arch`) and keep KV of their own, so no block is released."""
+    from specdec.drafters.eagle3_head import Eagle3Head
+    from specdec.drafters.heads import HeadConfig, arch_fields, build_heads, head_arch, save_heads
 
     target = family_dirs[name][0]
     arch = ModelArchConfig.from_pretrained(target)
@@ -464,21 +466,77 @@ def test_learned_heads_greedy_equal_transformers(family_dirs, hf_refs, name, fas
         assert llm.engine.spec_stats.num_drafts > 0
         # Medusa keeps no KV: on Mistral blocks behind the window go back while trees are verified.
         assert (llm.engine.kv.num_released_blocks > 0) == (name == WINDOWED)
-    eagle_cfg = HeadConfig(
-        method="eagle",
-        target=str(target),
-        hidden_size=64,
-        vocab_size=VOCAB,
-        num_heads=1,
-        arch=arch_fields(arch),
-    )
-    if arch.sliding_window is not None or arch.attn_logit_softcapping is not None:
-        with pytest.raises(ConfigError, match="EAGLE heads"):
-            build_heads(eagle_cfg)
-        return
-    save_heads(build_heads(eagle_cfg), eagle_cfg, tmp_path / "eagle")
-    got, _, _ = _generate(target, {"method": "eagle", "model": str(tmp_path / "eagle")}, block_size=4)
+
+    fields = dict(target=str(target), hidden_size=64, vocab_size=VOCAB, arch=arch_fields(arch))
+    eagle_cfg = HeadConfig(method="eagle", num_heads=1, **fields)
+    eagle = build_heads(eagle_cfg)
+    assert eagle.layer.attention_kwargs == {}  # global, no soft-cap, whatever the target's layers do
+    assert eagle.arch == head_arch(arch) and head_arch(arch).hidden_act == arch.hidden_act
+    save_heads(eagle, eagle_cfg, tmp_path / "eagle")
+    eagle3 = Eagle3Head(arch, 96, (0, 1, 2))
+    with torch.no_grad():
+        for p in eagle3.parameters():
+            p.normal_(0, 0.2)
+    eagle3.set_vocab(list(range(0, VOCAB, 2)) + list(range(1, 33, 2)))
+    eagle3_cfg = HeadConfig(method="eagle3", draft_vocab_size=96, feature_layers=[0, 1, 2], **fields)
+    save_heads(eagle3, eagle3_cfg, tmp_path / "eagle3")
+    dynamic = {"tree": "dynamic", "tree_topk": 2, "max_tree_nodes": 6}
+    for method, extra in (("eagle", {}), ("eagle", dynamic), ("eagle3", {}), ("eagle3", dynamic)):
+        spec = {"method": method, "model": str(tmp_path / method), "num_speculative_tokens": 3, **extra}
+        got, llm, _ = _generate(target, spec, block_size=4)
+        assert got == hf_refs[name], spec
+        assert llm.engine.spec_stats.num_drafts > 0
+        assert llm.engine.kv.num_released_blocks == 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_heads_train_on_a_windowed_soft_capped_target(family_dirs, hf_refs, method, tmp_path):
+    """EAGLE and EAGLE-3 heads train on Gemma 2 (sliding windows on alternate layers, attention and
+    final soft-caps) through ``experiments.train``: the loss falls, and the trained head drafts tokens
+    the target accepts on the prompts it trained on, while the greedy output stays transformers'."""
+    from hydra import compose, initialize_config_module
+
+    from experiments.config import register_configs, to_train_config
+    from experiments.train import run_training
+
+    name = "gemma2-gqa2-tied-window5"
+    target = family_dirs[name][0]
+    register_configs()
+    overrides = [
+        f"drafter={method}",
+        f"model.name={target}",
+        "model.dtype=float32",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.max_new_tokens=24",
+        "data.heldout_fraction=0.0",
+        "train.time_budget_s=null",
+        "train.eval=false",
+        "train.torch_threads=1",
+        "train.warmup_steps=5",
+        "train.log_every=5",
+        "train.lr=0.01",
+        "train.epochs=40",
+        "train.batch_tokens=72",
+        f"train.out_dir={tmp_path / 'heads'}",
+    ]
+    if method == "eagle3":
+        overrides += [
+            "data.feature_layers=[0,1,2]",
+            "train.eagle3_draft_vocab_size=64",
+            "train.eagle3_ttt_steps=3",
+        ]
+    else:
+        overrides += ["train.eagle_unroll=2"]
+    with initialize_config_module(config_module="experiments.conf", version_base=None):
+        cfg = to_train_config(compose(config_name="train", overrides=overrides))
+    # Trained on the prompts it is then run on (a fit, not a generalisation: what the head learned from
+    # the training pipeline's features must be what the engine hands it at run time).
+    summary = run_training(cfg, None, prompt_ids=_engine_prompts() + _prompts([12] * 6, seed=5))
+    assert summary["final_train_loss"] < 0.8 * summary["initial_train_loss"]
+    spec = {"method": method, "model": str(tmp_path / "heads"), "num_speculative_tokens": 3}
+    got, llm, _ = _generate(target, spec, block_size=4)
     assert got == hf_refs[name]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
 def test_compiled_forward_carries_window_and_softcap(family_dirs, hf_refs, fast_cpu_settings):

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from specdec.models.decoder import softcap
+
 
 @dataclass
 class FrozenTarget:
@@ -37,5 +39,8 @@ class FrozenTarget:
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, H]`` -> ``[N, V]`` float32 logits (differentiable in ``hidden``)."""
-        return (hidden.to(self.lm_head.dtype) @ self.lm_head.T).float()
+        """``[N, H]`` -> ``[N, V]`` float32 logits (differentiable in ``hidden``), soft-capped where the
+        target caps its logits (Gemma 2), like :meth:`specdec.models.decoder.DecoderLM.logits`."""
+        out = (hidden.to(self.lm_head.dtype) @ self.lm_head.T).float()
+        cap = self.arch.final_logit_softcapping
+        return out if cap is None else softcap(out, cap)

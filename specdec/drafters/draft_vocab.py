@@ -14,6 +14,7 @@ import torch
 
 from kernels.cpu_gemv import gemv
 from specdec.errors import ConfigError
+from specdec.models.decoder import softcap
 
 
 def draft_vocab_ids(
@@ -63,14 +64,16 @@ class DraftVocab:
         self.ids = draft_vocab_ids(draft_vocab, target, dtype)
         weight = target.lm_head.weight.detach()
         self.weight = weight[self.ids.to(weight.device)]
+        self.softcap = target.cfg.final_logit_softcapping  # Gemma 2: the target's logits are capped
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits ``[..., V']`` float32 of final-norm hidden states ``[..., H]`` (no soft-capping:
-        monotone, so the top-k drafts are the same)."""
-        return gemv(hidden.to(self.weight.dtype), self.weight).float()
+        """Draft logits ``[..., V']`` float32 of final-norm hidden states ``[..., H]``: the target's
+        logits of those ids (soft-capped like the target's where it caps them)."""
+        out = gemv(hidden.to(self.weight.dtype), self.weight).float()
+        return out if self.softcap is None else softcap(out, self.softcap)
 
     def to_target(self, indices: torch.Tensor) -> torch.Tensor:
         """Target ids of indices into :meth:`logits`' last dimension (any shape)."""

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from specdec.attention.base import AttentionBackend, AttentionMetadata
+from specdec.drafters.heads import head_arch
 from specdec.errors import ConfigError
 from specdec.models.config import ModelArchConfig
 from specdec.models.decoder import DecoderLayer, make_norm, rope_cos_sin
@@ -122,7 +123,8 @@ class Eagle3Head(nn.Module):
     """The EAGLE-3 head (the module docstring has the equations).
 
     Args:
-        arch: the target's architecture (its attention shape and RoPE are the layer's).
+        arch: the target's architecture (its attention shape and RoPE are the layer's; global attention
+            without soft-capping whatever the target's, :func:`~specdec.drafters.heads.head_arch`).
         draft_vocab_size: ``V_d``.
         feature_layers: the target layers whose input streams are fused (3 of them).
         norm_before_residual: the ``speculators`` variant (residual after ``hidden_norm``).
@@ -131,8 +133,8 @@ class Eagle3Head(nn.Module):
     maps the draft vocabulary to the first ``V_d`` target tokens until :meth:`set_vocab` is called.
 
     Raises:
-        ConfigError: a target with sliding windows or soft-capped attention, ``V_d`` outside ``[1, V]``,
-            or feature layers that are not three indices in ``[0, num_layers]``.
+        ConfigError: ``V_d`` outside ``[1, V]``, or feature layers that are not three indices in
+            ``[0, num_layers]``.
     """
 
     inv_freq: torch.Tensor
@@ -147,11 +149,7 @@ class Eagle3Head(nn.Module):
         norm_before_residual: bool = False,
     ) -> None:
         super().__init__()
-        if arch.sliding_window is not None or arch.attn_logit_softcapping is not None:
-            raise ConfigError(
-                f"EAGLE-3 heads on a {arch.model_type} target with sliding-window or soft-capped attention "
-                "are not supported yet (the head's tree-drafting attention implements neither)"
-            )
+        arch = head_arch(arch)
         if not 1 <= draft_vocab_size <= arch.vocab_size:
             raise ConfigError(f"draft_vocab_size must be in [1, {arch.vocab_size}], got {draft_vocab_size}")
         layers = tuple(int(i) for i in feature_layers)

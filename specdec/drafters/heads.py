@@ -18,7 +18,7 @@ A checkpoint is a directory: ``config.json`` (:class:`HeadConfig` plus how it wa
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,26 @@ class HeadConfig:
                 raise ConfigError(f"an eagle3 head config needs feature_layers (integers), got {layers!r}")
 
 
+def head_arch(arch: ModelArchConfig) -> ModelArchConfig:
+    """The architecture of an EAGLE or EAGLE-3 head's decoder layer on a target ``arch``.
+
+    The target's shapes, RoPE (its global one), norm style, q/k norms, post-norms, activation and
+    softmax scale, but global attention without soft-capping: the head sees a few recent positions in
+    a feature space of its own, so it need not copy a target's sliding windows (Mistral, Gemma) or
+    attention soft-cap (Gemma 2); its KV then needs every position, so windowed blocks are kept
+    (:func:`specdec.engine.build.release_window`). EAGLE-3's public checkpoints use this layout on
+    every target. The final soft-cap stays: EAGLE's draft logits are the target's LM head's.
+    """
+    return replace(
+        arch,
+        attn_logit_softcapping=None,
+        sliding_window=None,
+        layer_types=(),
+        local_inv_freq=None,
+        local_rope_attention_scaling=1.0,
+    )
+
+
 class MedusaHeads(nn.Module):
     """K Medusa-1 residual blocks (the LM head is the target's).
 
@@ -115,22 +135,15 @@ class EagleHead(nn.Module):
     """The EAGLE draft head: an FC layer and one decoder layer of the target's shape.
 
     Args:
-        arch: the target's architecture (hidden size, heads, RoPE).
-
-    Raises:
-        ConfigError: a target with sliding windows or soft-capped attention (Mistral, Gemma).
+        arch: the target's architecture (hidden size, heads, RoPE, norm and MLP style); the head's own
+            layer attends globally without soft-capping whatever the target does (:func:`head_arch`).
     """
 
     inv_freq: torch.Tensor
 
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
-        if arch.sliding_window is not None or arch.attn_logit_softcapping is not None:
-            raise ConfigError(
-                f"EAGLE heads on a {arch.model_type} target with sliding-window or soft-capped attention "
-                "are not supported yet (the head's tree-drafting attention implements neither)"
-            )
-        self.arch = arch
+        self.arch = arch = head_arch(arch)
         self.fc = nn.Linear(2 * arch.hidden_size, arch.hidden_size)
         self.layer = DecoderLayer(arch)
         self.register_buffer("inv_freq", torch.tensor(arch.inv_freq, dtype=torch.float32), persistent=False)

@@ -143,7 +143,7 @@ def release_window(cfg: ModelArchConfig, drafter: Drafter | None, block_size: in
     skips the blocks outside the windowed layers' windows. And only when the drafter keeps no KV of its
     own on the target's block tables (``kv_bytes_per_block`` 0: n-gram, suffix, Medusa, none): a draft
     model catches up lazily from the last position it saw, which may lie before the target's window, and
-    its own layers need not be windowed (EAGLE heads refuse windowed targets). An engine whose
+    its own layers need not be windowed (EAGLE heads attend globally: ``heads.head_arch``). An engine whose
     ``drafter`` is replaced after building keeps the window chosen here.
     """
     window = cfg.uniform_sliding_window
