@@ -36,6 +36,7 @@ def _attention_configs(quick: bool) -> list[Config]:
         ("fp32", 1, 128, 32, 64, 32, True, 1, False, False, False),
         ("bf16", 2, 16, 16, 16, 32, False, 1, False, True, True),  # tiny Gemma 2 (head_dim 16)
         ("bf16", 2, 256, 16, 16, 32, False, 1, False, True, True),  # Gemma 2 (head_dim 256)
+        ("bf16", 2, 256, 16, 32, 32, True, 1, False, True, True),  # Gemma 2 verifying a token tree
     ]
     if quick:
         variants = variants[:2]
@@ -45,7 +46,7 @@ def _attention_configs(quick: bool) -> list[Config]:
         sig = {
             "out_ptr": ptr, "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr,
             "qsl_ptr": "*i64", "seq_lens_ptr": "*i64", "block_table_ptr": "*i64",
-            "mask_bits_ptr": "*i8", "mask_off_ptr": "*i32",
+            "mask_bits_ptr": "*i8", "mask_off_ptr": "*i32", "depth_ptr": "*i32", "depth_off_ptr": "*i32",
             "part_acc_ptr": "*fp32" if splits > 1 else ptr, "part_ml_ptr": "*fp32" if splits > 1 else ptr,
             "qk_scale": "fp32", "window": "i32", "softcap": "fp32", "num_seqs": "i32", "num_tokens": "i32",
             "stride_qt": "i32", "stride_qh": "i32", "stride_qd": "constexpr",

@@ -22,13 +22,13 @@ Layout of the kernel (the split of vLLM's unified attention kernel, written anew
 - With ``num_splits > 1`` (long-context decode with few programs) each program covers a slice of the
   key tiles and writes an unnormalised partial; a second kernel merges the slices.
 
-Sliding windows (``sliding_window`` > 0, Mistral / Gemma layers): a query at slot position p sees key
-positions j with ``p - sliding_window < j`` on top of the causal rule, and a query block starts its key
-loop at the first tile inside its first query's window, so blocks wholly outside it are not read. The
-kernel takes positions in slot order, which is exact for prefill, decode and verification chains; a
-tree mask together with a window is refused (:class:`ValueError`; the torch backends take positions from
-the tree's depths). Soft-capping (``softcap`` > 0, Gemma 2) turns each scaled score s into
-``softcap * tanh(s / softcap)`` before the mask.
+Sliding windows (``sliding_window`` > 0, Mistral / Gemma layers): a query at position p sees keys at
+positions j with ``p - sliding_window < j`` on top of the causal or tree rule, and a query block starts
+its key loop at the first tile inside its first query's window, so blocks wholly outside it are not
+read. Positions are slot order for prefill, decode and verification chains; inside a token tree a new
+token's position is ``context_len + depth`` (its depth: the new tokens its mask row sees, minus one),
+as in the torch backends, and the packed mask carries the depths. Soft-capping (``softcap`` > 0,
+Gemma 2) turns each scaled score s into ``softcap * tanh(s / softcap)`` before the mask.
 
 Tree masks travel packed: :func:`pack_new_token_masks` concatenates each masked request's
 ``[q_len, q_len]`` bool mask row-major into one int8 buffer and gives each request its offset in it
@@ -59,10 +59,16 @@ class PackedTreeMask:
         bits: int8 ``[sum of q_len^2 over masked requests]``; request ``b``'s ``mask[i, j]`` is at
             ``offsets[b] + i * q_len + j``.
         offsets: int32 ``[B]``, -1 for a causal request.
+        depths: int32 ``[sum of q_len over masked requests]``; request ``b``'s new token ``i`` has depth
+            ``depths[depth_offsets[b] + i]`` in its tree (``mask[i].sum() - 1``; what a sliding window
+            measures positions by).
+        depth_offsets: int32 ``[B]``, -1 for a causal request.
     """
 
     bits: torch.Tensor
     offsets: torch.Tensor
+    depths: torch.Tensor
+    depth_offsets: torch.Tensor
 
 
 def pack_new_token_masks(
@@ -76,19 +82,28 @@ def pack_new_token_masks(
     if new_token_masks is None or all(m is None for m in new_token_masks):
         return None
     parts: list[torch.Tensor] = []
+    depths: list[torch.Tensor] = []
     offsets: list[int] = []
-    pos = 0
+    depth_offsets: list[int] = []
+    pos = depth_pos = 0
     for mask, q_len in zip(new_token_masks, query_lens):
         if mask is None:
             offsets.append(-1)
+            depth_offsets.append(-1)
             continue
         if tuple(mask.shape) != (q_len, q_len):
             raise ValueError(f"new-token mask must be [{q_len}, {q_len}], got {tuple(mask.shape)}")
         parts.append(mask.reshape(-1).to(device=device, dtype=torch.int8))
+        depths.append(mask.to(torch.int32).sum(dim=1) - 1)
         offsets.append(pos)
+        depth_offsets.append(depth_pos)
         pos += q_len * q_len
+        depth_pos += q_len
     return PackedTreeMask(
-        bits=torch.cat(parts), offsets=torch.tensor(offsets, dtype=torch.int32, device=device)
+        bits=torch.cat(parts),
+        offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
+        depths=torch.cat(depths).to(device=device, dtype=torch.int32),
+        depth_offsets=torch.tensor(depth_offsets, dtype=torch.int32, device=device),
     )
 
 
@@ -115,8 +130,8 @@ def paged_attention_ref(
         query_start_loc: ``[B + 1]``; seq_lens: ``[B]``; block_table: ``[B, max_blocks]``.
         scale: softmax scale.
         new_token_masks: per request None (causal) or ``[q_len, q_len]`` bool.
-        sliding_window: > 0: a query at slot position p sees only keys j > p - sliding_window (slot
-            order; see the module docstring).
+        sliding_window: > 0: a query at position p sees only keys at positions j > p - sliding_window
+            (slot order; ``context_len + depth`` inside a tree mask, see the module docstring).
         softcap: > 0: scaled scores s become ``softcap * tanh(s / softcap)``.
 
     Returns:
@@ -144,7 +159,10 @@ def paged_attention_ref(
             allowed[:, ctx:] = custom.to(device=query.device, dtype=torch.bool)
         if sliding_window > 0:
             q_pos = torch.arange(ctx, seq_len, device=query.device)
-            allowed &= q_pos[:, None] - torch.arange(seq_len, device=query.device)[None, :] < sliding_window
+            if custom is not None:  # inside a tree: context_len + depth
+                q_pos = ctx + custom.to(device=query.device, dtype=torch.int64).sum(dim=1) - 1
+            k_pos = torch.cat([torch.arange(ctx, device=query.device), q_pos])
+            allowed &= q_pos[:, None] - k_pos[None, :] < sliding_window
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
         if softcap > 0:
             scores = torch.tanh(scores / softcap) * softcap
@@ -165,6 +183,8 @@ def _paged_attention_kernel(
     block_table_ptr,
     mask_bits_ptr,
     mask_off_ptr,
+    depth_ptr,
+    depth_off_ptr,
     part_acc_ptr,
     part_ml_ptr,
     qk_scale,  # softmax scale * log2(e)
@@ -242,8 +262,17 @@ def _paged_attention_kernel(
             q = q.to(tl.float32)
 
         mask_off = -1
+        depth_off = -1
         if HAS_MASK:
             mask_off = tl.load(mask_off_ptr + b)
+            if HAS_WINDOW:
+                depth_off = tl.load(depth_off_ptr + b)
+        q_pos = ctx_len + q_idx  # position of each row's query (slot order; a tree's depths below)
+        if HAS_MASK and HAS_WINDOW:
+            depth = tl.load(
+                depth_ptr + depth_off + q_idx, mask=tl.where(depth_off >= 0, row_ok, False), other=0
+            )
+            q_pos = tl.where(depth_off >= 0, ctx_len + depth, q_pos)
         # Keys this block can see: all of them with a tree mask, up to its last query when causal.
         kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_start + BLOCK_Q, q_len))
         if mask_off >= 0:
@@ -251,7 +280,10 @@ def _paged_attention_kernel(
         num_tiles = tl.cdiv(kv_end, TILE_N)
         first_tile = 0
         if HAS_WINDOW:  # tiles wholly before the first query's window are not read
-            first_tile = tl.maximum(ctx_len + q_start - window + 1, 0) // TILE_N
+            first_pos = ctx_len + q_start
+            if depth_off >= 0:  # a tree's queries sit at context_len + depth >= context_len
+                first_pos = ctx_len
+            first_tile = tl.maximum(first_pos - window + 1, 0) // TILE_N
         tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
         tile_lo = first_tile + split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
@@ -309,7 +341,15 @@ def _paged_attention_kernel(
                 new_ok = tl.where(mask_off >= 0, tree != 0, new_ok)
             allowed = row_ok[:, None] & n_ok[None, :] & ((j < 0)[None, :] | new_ok)
             if HAS_WINDOW:
-                allowed = allowed & ((ctx_len + q_idx)[:, None] - n[None, :] < window)
+                k_pos = n
+                if HAS_MASK:  # new keys of a tree sit at context_len + their depth
+                    key_depth = tl.load(
+                        depth_ptr + depth_off + j,
+                        mask=tl.where(depth_off >= 0, (j >= 0) & (j < q_len), False),
+                        other=0,
+                    )
+                    k_pos = tl.where((depth_off >= 0) & (j >= 0), ctx_len + key_depth, n)
+                allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
             s = tl.where(allowed, s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -403,11 +443,9 @@ def paged_attention_triton(
         ``out``.
 
     Raises:
-        ValueError: shapes that do not fit, or a tree mask with a sliding window.
+        ValueError: shapes that do not fit.
     """
     num_tokens, num_heads, head_dim = query.shape
-    if sliding_window > 0 and tree_mask is not None:
-        raise ValueError("paged_attention_triton: tree masks with a sliding window are not supported")
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if num_heads % num_kv_heads or cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -434,6 +472,8 @@ def paged_attention_triton(
     precision = "ieee" if query.dtype == torch.float32 and k_cache.dtype == torch.float32 else None
     mask_bits = tree_mask.bits if tree_mask is not None else query.new_zeros(1, dtype=torch.int8)
     mask_off = tree_mask.offsets if tree_mask is not None else query.new_zeros(1, dtype=torch.int32)
+    depths = tree_mask.depths if tree_mask is not None else mask_off
+    depth_off = tree_mask.depth_offsets if tree_mask is not None else mask_off
     if num_splits > 1:
         part_acc = torch.empty(num_splits, num_tokens, num_heads, head_pad, device=query.device)
         part_ml = torch.empty(num_splits, num_tokens, num_heads, 2, device=query.device)
@@ -449,6 +489,8 @@ def paged_attention_triton(
         block_table,
         mask_bits,
         mask_off,
+        depths,
+        depth_off,
         part_acc,
         part_ml,
         scale * _LOG2E,

@@ -33,7 +33,7 @@ def _num_sms(device: torch.device) -> int:
 class TritonAttention:
     """Triton :class:`~specdec.attention.base.AttentionBackend`: writes K/V with one kernel, attends with
         one (plus a merge kernel when a long-context decode batch is split along the keys). Sliding windows
-    and soft-capping go to the kernel; a window with tree masks is refused."""
+    (positions from the tree's depths under tree masks) and soft-capping go to the kernel."""
 
     def forward(
         self,
@@ -48,12 +48,7 @@ class TritonAttention:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """As :class:`~specdec.attention.base.AttentionBackend`.
-
-        Raises:
-            ValueError: a sliding window together with tree attention masks (the kernel takes positions
-                in slot order; see :mod:`kernels.paged_attention`).
-        """
+        """As :class:`~specdec.attention.base.AttentionBackend`."""
         from kernels.paged_attention import (
             choose_block_m,
             choose_num_splits,

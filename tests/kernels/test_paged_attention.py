@@ -159,7 +159,7 @@ def test_dispatcher_uses_the_reference_off_cuda(monkeypatch):
 def test_window_and_softcap_match_the_references(device, window, softcap, splits):
     """A sliding window (shorter than most sequences: key tiles before it are skipped) and soft-capped
     scores: the kernel, its reference and the torch backend agree; the window and the cap change the
-    output; a tree mask with a window is refused."""
+    output. With token-tree masks too (positions ``context_len + depth`` inside a tree)."""
     heads, kv_heads, head_dim = 6, 2, 64
     # Finite poison: the torch backend multiplies zero probabilities by every cache row it gathers.
     b = make_paged_batch(SEQS, heads, kv_heads, head_dim, 16, torch.float32, device, seed=11, poison=3e3)
@@ -180,7 +180,29 @@ def test_window_and_softcap_match_the_references(device, window, softcap, splits
         sliding_window=window or None, softcap=softcap or None,
     )  # fmt: skip
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    if window:
-        tree = pack_new_token_masks(_masks(True, seed=1), b.query_lens, b.query.device)
-        with pytest.raises(ValueError, match="sliding window"):
-            paged_attention_triton(*args, tree, sliding_window=window)
+    if not window:
+        return
+    # Trees under the window: a query's position is context + depth, so a deep node of a wide tree sees
+    # keys a slot-order rule would cut (and the other way round).
+    masks = _masks(True, seed=1)
+    tb = make_paged_batch(
+        SEQS, heads, kv_heads, head_dim, 16, torch.float32, device, seed=12, poison=3e3, new_token_masks=masks
+    )
+    targs = (tb.query, tb.k_cache, tb.v_cache, tb.query_start_loc, tb.seq_lens, tb.block_table, scale)
+    tref = paged_attention_ref(*targs, tb.new_token_masks, sliding_window=window, softcap=softcap)
+    slot_order = paged_attention_ref(*targs, None, sliding_window=window, softcap=softcap)
+    assert not tref.isnan().any()
+    tree_rows = torch.cat([torch.full((q,), m is not None and q > 1) for (q, _), m in zip(SEQS, masks)])
+    assert (tref[tree_rows] - slot_order[tree_rows]).abs().max() > 1e-3
+    packed = pack_new_token_masks(tb.new_token_masks, tb.query_lens, tb.query.device)
+    out = torch.full_like(tb.query, float("nan"))
+    paged_attention_triton(
+        *targs, packed, sliding_window=window, softcap=softcap, max_query_len=17, num_splits=splits, out=out
+    )
+    torch.testing.assert_close(out, tref, atol=1e-5, rtol=1e-5)
+    kc, vc = tb.k_cache.clone(), tb.v_cache.clone()
+    got = ReferenceAttention().forward(
+        tb.query, tb.key, tb.value, kc, vc, tb.metadata(), scale,
+        sliding_window=window, softcap=softcap or None,
+    )  # fmt: skip
+    torch.testing.assert_close(got, tref, atol=1e-5, rtol=1e-5)
