@@ -74,6 +74,10 @@ def load_extension() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
+        # The operators' schemas first: the module registers kernels for them when it loads.
+        import kernels.cpu_gemv
+        import kernels.cpu_layer_ops  # noqa: F401
+
         sources = _sources()
         text = "".join(p.read_text() for p in sorted(_CSRC.iterdir()) if p.is_file())
         key = hashlib.sha256((text + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]

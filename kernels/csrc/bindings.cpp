@@ -12,6 +12,9 @@ void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Te
                            double softcap);
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool gemma);
+torch::Tensor rope(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 // The GEMV kernel as a dispatcher operator, specdec_cpu::gemv: a linear layer calls it ~120 times per
 // decode step, and through the dispatcher a call costs a few microseconds where a Python custom op costs
@@ -23,6 +26,11 @@ torch::Tensor gemv_op(const torch::Tensor& x, const torch::Tensor& w, const std:
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("gemv", &gemv_op);
+  // The layer's small operations (kernels/csrc/cpu_layer_ops.cpp; schemas and fakes in
+  // kernels/cpu_layer_ops.py), dispatcher operators for the same reason.
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
+  m.impl("silu_mul", &silu_mul);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

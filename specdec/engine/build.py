@@ -21,7 +21,7 @@ from specdec.kv_cache.manager import KVCacheManager, cdiv
 from specdec.model_runner import ModelRunner
 from specdec.models.config import ModelArchConfig
 from specdec.models.cpu_linear import use_gemv_linears
-from specdec.models.decoder import DecoderLM
+from specdec.models.decoder import DecoderLM, use_cpu_layer_ops
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import pack_linears
 from specdec.quantization.config import QuantizationConfig
@@ -114,6 +114,7 @@ def build_engine_parts(
     for m in (model, *drafter_modules(drafter)):
         if use_gemv_linears(m, memo) == 0 and compilation is None:
             pack_linears(m, memo)
+        use_cpu_layer_ops(m)  # norms, RoPE and SiLU products through the CPU kernels where they build
     runner = ModelRunner(
         model, num_blocks, bs, kv_cache_dtype=cache_config.kv_cache_dtype, compilation=compilation
     )

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_layer_ops import rms_norm_reference, rope_reference
 from specdec.attention.base import AttentionBackend, AttentionMetadata
 from specdec.errors import UnknownModelError
 from specdec.models.config import ModelArchConfig
@@ -29,28 +30,36 @@ from specdec.models.config import ModelArchConfig
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as transformers does:
-    ``w * norm(x)``, normalised in float32 and cast back before the product (Llama's order)."""
+    ``w * norm(x)``, normalised in float32 and cast back before the product (Llama's order;
+    :func:`kernels.cpu_layer_ops.rms_norm_reference`).
+
+    ``use_kernel`` (set by :func:`use_cpu_layer_ops`): ``[T, H]`` inputs go to the CPU kernel, outside
+    ``torch.compile`` traces."""
+
+    gemma = False
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        if (
+            self.use_kernel
+            and x.dim() == 2
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
+            return torch.ops.specdec_cpu.rms_norm(x, self.weight, self.eps, self.gemma)
+        return rms_norm_reference(x, self.weight, self.eps, self.gemma)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: ``(1 + w) * norm(x)``, all in float32, cast back at the end (the checkpoint
     stores ``w``, initialised at zero)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+    gemma = True
 
 
 def make_norm(cfg: ModelArchConfig, size: int) -> RMSNorm:
@@ -71,11 +80,6 @@ def _activation(name: str):
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """Tanh soft-capping ``cap * tanh(x / cap)`` (Gemma 2's attention and final logits)."""
     return torch.tanh(x / cap) * cap
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rope_cos_sin(
@@ -117,6 +121,8 @@ class DecoderLayer(nn.Module):
         if cfg.attn_logit_softcapping is not None:
             self.attention_kwargs["softcap"] = float(cfg.attn_logit_softcapping)
         self.act = _activation(cfg.hidden_act)
+        self.silu = cfg.hidden_act == "silu"
+        self.use_kernels = False  # RoPE and SiLU * up through kernels.cpu_layer_ops (use_cpu_layer_ops)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -165,7 +171,10 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = qk * cos + _rotate_half(qk) * sin
+        if self.use_kernels and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            qk = torch.ops.specdec_cpu.rope(qk, cos, sin)
+        else:
+            qk = rope_reference(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         attn = attention.forward(q, k, v, k_cache, v_cache, metadata, self.scale, **self.attention_kwargs)
@@ -174,8 +183,17 @@ class DecoderLayer(nn.Module):
             out = self.attn_output_norm(out)
         hidden = hidden + out
         x = self.post_attention_layernorm(hidden)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if (
+            self.silu
+            and self.use_kernels
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
+            out = self.down_proj(torch.ops.specdec_cpu.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(self.act(gate) * up)
         if self.mlp_output_norm is not None:
             out = self.mlp_output_norm(out)
         return hidden + out
@@ -326,3 +344,27 @@ class DecoderLM(nn.Module):
             hidden = hidden[logits_indices]
         hidden = self.norm(hidden)
         return self.logits(hidden), hidden
+
+
+def use_cpu_layer_ops(model: nn.Module) -> int:
+    """Send ``model``'s RMSNorms, RoPE and SiLU products to the CPU kernels of
+    :mod:`kernels.cpu_layer_ops`, in place, where the activations are float32 or bfloat16 on the CPU (a
+    norm's weight tells its layer's dtype) and the kernels build here. Inference only: with autograd
+    on, and inside ``torch.compile`` traces, the references run. Returns the number of modules switched."""
+    from kernels import cpu_layer_ops
+
+    def fits(norm: nn.Module) -> bool:
+        w = norm.weight
+        return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+
+    if not cpu_layer_ops.available():
+        return 0
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and fits(module):
+            module.use_kernel = True
+            switched += 1
+        elif isinstance(module, DecoderLayer) and fits(module.input_layernorm):
+            module.use_kernels = True
+            switched += 1
+    return switched

@@ -1,0 +1,153 @@
+// The small per-layer operations of a decoder step on the CPU, one call each instead of 3-8 torch ops:
+// RMSNorm, rotary embedding of the query and key heads, and SiLU(gate) * up.
+//
+// At batch 1 a SmolLM2-135M step spends about as long in the ~1,300 small torch calls between its
+// linears (each a few microseconds of dispatch and allocation) as the linears spend streaming the
+// weights; these three kernels replace ~23 of those calls per layer. Every kernel reproduces its torch
+// reference's roundings (kernels/cpu_layer_ops.py: float32 arithmetic, results rounded to the input dtype
+// where the reference rounds them), so bfloat16 outputs equal the reference's except where a reduction
+// or exp() rounds its last float32 bit differently. Rows are independent: at::parallel_for over rows,
+// inline for the few rows of decode and verification.
+//
+// Floating-point contraction is off in this file: the reference rounds a * b before adding c, and a fused
+// multiply-add would not.
+#pragma GCC optimize("fp-contract=off")
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+
+namespace {
+
+inline float f32(float v) { return v; }
+inline float f32(at::BFloat16 v) { return static_cast<float>(v); }
+
+// Rows per parallel task: decode and verification rows (a few) run inline on the calling thread.
+constexpr int64_t kRowGrain = 32;
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t rows, int64_t H, float eps,
+                   bool gemma) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * x_stride;
+      T* o = out + r * H;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= H; i += 8)
+        for (int j = 0; j < 8; ++j) {
+          const float v = f32(xr[i + j]);
+          acc[j] += v * v;
+        }
+      float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      for (; i < H; ++i) ss += f32(xr[i]) * f32(xr[i]);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+      if (gemma) {  // (h * (1 + w)) in float32, rounded once
+        for (int64_t k = 0; k < H; ++k) o[k] = static_cast<T>((f32(xr[k]) * inv) * (1.0f + f32(w[k])));
+      } else {  // h rounded to T, then w * h rounded (Llama's order)
+        for (int64_t k = 0; k < H; ++k) {
+          const T h = static_cast<T>(f32(xr[k]) * inv);
+          o[k] = static_cast<T>(f32(w[k]) * f32(h));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void rope_rows(const T* qk, int64_t s_tok, int64_t s_head, const T* cos, const T* sin, T* out, int64_t T_,
+               int64_t NH, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T_, kRowGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      for (int64_t h = 0; h < NH; ++h) {
+        const T* x = qk + t * s_tok + h * s_head;
+        T* o = out + (t * NH + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          // rotate_half: (-x[half:], x[:half])
+          const float rot = d < half ? -f32(x[d + half]) : f32(x[d - half]);
+          const T a = static_cast<T>(f32(x[d]) * f32(c[d]));
+          const T b = static_cast<T>(rot * f32(s[d]));
+          o[d] = static_cast<T>(f32(a) + f32(b));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gu, int64_t stride, T* out, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * stride;
+      const T* u = g + I;
+      T* o = out + r * I;
+      for (int64_t k = 0; k < I; ++k) {
+        const float x = f32(g[k]);
+        const T act = static_cast<T>(x / (1.0f + std::exp(-x)));
+        o[k] = static_cast<T>(f32(act) * f32(u[k]));
+      }
+    }
+  });
+}
+
+void check_dtype(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+}  // namespace
+
+// x [T, H] (rows strided, elements contiguous), weight [H] of x's dtype -> [T, H].
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool gemma) {
+  check_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [T, H] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be a contiguous [H] tensor of x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(),
+                  x.size(0), x.size(1), static_cast<float>(eps), gemma);
+  else
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), x.stride(0), weight.data_ptr<at::BFloat16>(),
+                  out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), static_cast<float>(eps), gemma);
+  return out;
+}
+
+// qk [T, NH, D] (head rows contiguous, any token and head stride), cos / sin [T, 1, D] contiguous -> [T, NH, D].
+torch::Tensor rope(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_dtype(qk, "qk");
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.size(2) % 2 == 0,
+              "rope: qk must be [T, heads, D] with contiguous head rows and an even D");
+  const int64_t T_ = qk.size(0), NH = qk.size(1), D = qk.size(2);
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->is_contiguous() && t->numel() == T_ * D && t->scalar_type() == qk.scalar_type(),
+                "rope: cos and sin must be contiguous [T, 1, D] tensors of qk's dtype");
+  auto out = torch::empty({T_, NH, D}, qk.options());
+  if (qk.scalar_type() == at::kFloat)
+    rope_rows(qk.data_ptr<float>(), qk.stride(0), qk.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+              out.data_ptr<float>(), T_, NH, D);
+  else
+    rope_rows(qk.data_ptr<at::BFloat16>(), qk.stride(0), qk.stride(1), cos.data_ptr<at::BFloat16>(),
+              sin.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), T_, NH, D);
+  return out;
+}
+
+// gate_up [T, 2I] (rows strided) -> silu(gate_up[:, :I]) * gate_up[:, I:], [T, I].
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_dtype(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be [T, 2I] with contiguous rows");
+  const int64_t I = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), I}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), gate_up.size(0), I);
+  else
+    silu_mul_rows(gate_up.data_ptr<at::BFloat16>(), gate_up.stride(0), out.data_ptr<at::BFloat16>(),
+                  gate_up.size(0), I);
+  return out;
+}
