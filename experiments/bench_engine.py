@@ -52,6 +52,11 @@ class BenchEngineConfig(HarnessConfig):
     skip_hf_batch: skip transformers' static batch of 16.
     compile: also run our engine with ``compile=True`` (:mod:`specdec.compilation`): rows
         ``ours_compiled_*``, the compile time of each bucket, and the speedups over eager.
+    llama_cpp_dir: the work folder of ``shared/peers/llama_cpp.sh`` (its ``build/bin/llama-bench`` and
+        the zoo's SmolLM2 as ``smollm2-bf16.gguf`` / ``smollm2-f32.gguf``): llama.cpp's batch-1 decode
+        of the same weights in the same run (``llama-bench -n max_tokens``, this process's threads),
+        rows ``llama_cpp_*``, our ratio to it, and the floor at the bandwidth llama.cpp streams. None, a
+        folder without them, or another model: skipped (``llama_cpp_skipped`` says why).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -60,6 +65,7 @@ class BenchEngineConfig(HarnessConfig):
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     skip_hf_batch: bool = False
     compile: bool = True
+    llama_cpp_dir: str | None = "/tmp/llama-cpp-peer"
 
     def validate(self) -> None:
         super().validate()
@@ -170,7 +176,57 @@ def run(cfg: BenchEngineConfig) -> dict[str, Any]:
             result["compiled_speedup_batch16_vs_hf_static"] = (
                 result["ours_compiled_tokens_per_s_batch16"] / result["hf_tokens_per_s_static_batch16"]
             )
+    result.update(bench_llama_cpp(cfg, weight_bytes))
+    if "llama_cpp_tokens_per_s_batch1" in result:
+        result["ours_vs_llama_cpp_batch1"] = (
+            result["ours_tokens_per_s_batch1"] / result["llama_cpp_tokens_per_s_batch1"]
+        )
+        result["fraction_of_llama_cpp_floor_batch1"] = result["ours_vs_llama_cpp_batch1"]
     return result
+
+
+def bench_llama_cpp(cfg: BenchEngineConfig, weight_bytes: int) -> dict[str, Any]:
+    """llama.cpp's batch-1 decode of the same weights (see ``llama_cpp_dir``): tok/s, and the bandwidth
+    it streams (our count of a step's weight bytes x its tok/s), which is the practical floor here."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    if cfg.llama_cpp_dir is None:
+        return {"llama_cpp_skipped": "llama_cpp_dir=null"}
+    root = Path(cfg.llama_cpp_dir)
+    gguf = root / f"smollm2-{'bf16' if cfg.dtype == 'bfloat16' else 'f32'}.gguf"
+    bench = root / "build" / "bin" / "llama-bench"
+    if cfg.model != "smollm2-135m-instruct":
+        return {"llama_cpp_skipped": f"the peer script converts SmolLM2 only, not {cfg.model}"}
+    if not (bench.is_file() and gguf.is_file()):
+        return {"llama_cpp_skipped": f"{bench} or {gguf} is absent (run shared/peers/llama_cpp.sh)"}
+    threads = str(torch.get_num_threads())
+    cmd = [
+        str(bench),
+        "-m",
+        str(gguf),
+        "-p",
+        "0",
+        "-n",
+        str(cfg.max_tokens),
+        "-t",
+        threads,
+        "-r",
+        "3",
+        "-o",
+        "json",
+    ]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
+        tps = float(json.loads(out)[0]["avg_ts"])
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as e:
+        return {"llama_cpp_skipped": f"llama-bench failed: {type(e).__name__}: {e}"}
+    return {
+        "llama_cpp_tokens_per_s_batch1": tps,
+        "llama_cpp_GBps": weight_bytes * tps / 1e9,
+        "llama_cpp_command": " ".join(cmd),
+    }
 
 
 #: ``main()``: Hydra's command line; ``main(["dtype=float32"])``: compose, run, return the result. The

@@ -114,3 +114,26 @@ def _hf_params(model_dir):
     from transformers import AutoModelForCausalLM
 
     return list(AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+
+
+def test_bench_engine_reads_llama_cpp_when_built(tmp_path):
+    """The llama.cpp peer row: skipped with a reason where the peer is not built, parsed from
+    ``llama-bench -o json`` where it is (a stand-in script prints its output here)."""
+    import stat
+
+    from experiments.bench_engine import BenchEngineConfig, bench_llama_cpp
+
+    cfg = BenchEngineConfig(llama_cpp_dir=str(tmp_path), max_tokens=16)
+    assert "absent" in bench_llama_cpp(cfg, 10**8)["llama_cpp_skipped"]
+    assert "null" in bench_llama_cpp(BenchEngineConfig(llama_cpp_dir=None), 10**8)["llama_cpp_skipped"]
+    (tmp_path / "build" / "bin").mkdir(parents=True)
+    (tmp_path / "smollm2-bf16.gguf").write_bytes(b"")
+    fake = tmp_path / "build" / "bin" / "llama-bench"
+    fake.write_text('#!/bin/sh\necho \'[{"n_gen": 16, "avg_ts": 101.5, "stddev_ts": 1.0}]\'\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    row = bench_llama_cpp(cfg, 2 * 10**8)
+    assert row["llama_cpp_tokens_per_s_batch1"] == 101.5
+    assert row["llama_cpp_GBps"] == pytest.approx(20.3)
+    assert "-n 16" in row["llama_cpp_command"]
+    other = BenchEngineConfig(llama_cpp_dir=str(tmp_path), model="qwen2.5-coder-0.5b-instruct")
+    assert "SmolLM2 only" in bench_llama_cpp(other, 10**8)["llama_cpp_skipped"]
