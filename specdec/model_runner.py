@@ -66,8 +66,23 @@ def build_inputs(segments: list[Segment], block_size: int, device: torch.device)
     """Flattened model inputs for ``segments``; slots come from each segment's block table.
 
     Vectorised over the batch (one ``torch.tensor`` per field, slots and rows by tensor arithmetic):
-    thousands of tiny requests per step stay cheap."""
-    bs = block_size
+    thousands of tiny requests per step stay cheap. A batch of single decode rows (one token, its logits,
+    no tree, no released block: plain decoding and every chain-drafting step of a head) takes
+    :func:`_decode_inputs`, the same fields from Python lists (a fifth of the tensor calls)."""
+    if all(
+        len(seg.token_ids) == 1
+        and seg.num_logits == 1
+        and seg.positions is None
+        and seg.mask is None
+        and (not seg.block_ids or seg.block_ids[0] >= 0)
+        for seg in segments
+    ):
+        return _decode_inputs(segments, block_size, device)
+    return _batch_inputs(segments, block_size, device)
+
+
+def _batch_inputs(segments: list[Segment], bs: int, device: torch.device) -> ModelInputs:
+    """:func:`build_inputs` of any segments."""
     num_segs = len(segments)
     query_lens = [len(seg.token_ids) for seg in segments]
     starts = [seg.start for seg in segments]
@@ -120,6 +135,37 @@ def build_inputs(segments: list[Segment], block_size: int, device: torch.device)
         positions=positions.to(device),
         metadata=metadata,
         logits_indices=logits_rows.to(device),
+    )
+
+
+def _decode_inputs(segments: list[Segment], bs: int, device: torch.device) -> ModelInputs:
+    """:func:`build_inputs` of one-token segments, each wanting its logits (equal fields, tested)."""
+    n = len(segments)
+    starts = [seg.start for seg in segments]
+    max_blocks = max(len(seg.block_ids) for seg in segments)
+    seq_lens = [p + 1 for p in starts]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(
+            [seg.block_ids[p // bs] * bs + p % bs for seg, p in zip(segments, starts)],
+            dtype=torch.int64,
+            device=device,
+        ),
+        block_table=torch.tensor(
+            [seg.block_ids + [0] * (max_blocks - len(seg.block_ids)) for seg in segments],
+            dtype=torch.int64,
+            device=device,
+        ),
+        query_lens=[1] * n,
+        seq_lens_host=seq_lens,
+        new_token_masks=None,
+    )
+    return ModelInputs(
+        input_ids=torch.tensor([seg.token_ids[0] for seg in segments], dtype=torch.int64, device=device),
+        positions=torch.tensor(starts, dtype=torch.int64, device=device),
+        metadata=metadata,
+        logits_indices=torch.arange(n, dtype=torch.int64, device=device),
     )
 
 
