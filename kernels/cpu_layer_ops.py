@@ -65,7 +65,9 @@ def available() -> bool:
 
 
 # ------------------------------------------------------------------------------------------ references
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False
+) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) in float32 as transformers computes it: ``x`` ``[..., H]``,
     ``weight`` ``[H]`` -> ``[..., H]`` in ``x``'s dtype. Llama: ``w * norm(x)``, normalised in float32
     and rounded to ``x``'s dtype before the product; Gemma (``gemma=True``): ``(1 + w) * norm(x)`` all in
@@ -93,7 +95,8 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------- kernels
 def _fits(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
+    cpu_float = t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
+    return cpu_float and not torch.is_grad_enabled()
 
 
 def rms_norm(
@@ -112,7 +115,9 @@ def rms_norm(
     return rms_norm_reference(x, weight, eps, gemma)
 
 
-def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
+def rope(
+    qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_kernel: bool | None = None
+) -> torch.Tensor:
     """:func:`rope_reference` through the kernel where it applies (``qk`` ``[T, heads, D]`` with
     contiguous head rows; ``cos`` / ``sin`` contiguous, of ``qk``'s dtype)."""
     if use_kernel is None:

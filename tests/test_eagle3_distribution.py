@@ -56,28 +56,33 @@ def setup(tmp_path_factory):
     target = save_target_and_draft(root, V, 1, 2)
     logits = first_three_logits(target, PROMPT, V)
     exact = {t: exact_joint(logits, t) for t in TEMPERATURES}
+    save_random_eagle3_head(root / "target", DRAFT_VOCAB, root / "head")
+    return {"target": root / "target", "head": root / "head", "exact": exact, "greedy": greedy_chain(logits)}
+
+
+def greedy_chain(logits) -> list[int]:
+    """The greedy first three tokens of :func:`~tests.conftest.first_three_logits`' output."""
     l1, l2, l3 = logits
     a = int(l1.argmax())
     b = int(l2[a].argmax())
-    greedy = [a, b, int(l3[a, b].argmax())]
-    arch = ModelArchConfig.from_pretrained(root / "target")
-    torch.manual_seed(11)
-    head = Eagle3Head(arch, len(DRAFT_VOCAB), (0, 1, 2))
+    return [a, b, int(l3[a, b].argmax())]
+
+
+def save_random_eagle3_head(target_dir, draft_vocab: list[int], out, seed: int = 11) -> None:
+    """A random EAGLE-3 head (weights N(0, 0.3)) for the target in ``target_dir``, fusing its layers
+    (0, 1, 2), over ``draft_vocab``, saved in ``out``."""
+    arch = ModelArchConfig.from_pretrained(target_dir)
+    torch.manual_seed(seed)
+    head = Eagle3Head(arch, len(draft_vocab), (0, 1, 2))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 0.3)
-    head.set_vocab(DRAFT_VOCAB)
+    head.set_vocab(draft_vocab)
     cfg = HeadConfig(
-        method="eagle3",
-        target="tiny",
-        hidden_size=arch.hidden_size,
-        vocab_size=arch.vocab_size,
-        arch=arch_fields(arch),
-        draft_vocab_size=len(DRAFT_VOCAB),
-        feature_layers=[0, 1, 2],
-    )
-    save_heads(head, cfg, root / "head")
-    return {"target": root / "target", "head": root / "head", "exact": exact, "greedy": greedy}
+        method="eagle3", target=str(target_dir), hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+        arch=arch_fields(arch), draft_vocab_size=len(draft_vocab), feature_layers=[0, 1, 2],
+    )  # fmt: skip
+    save_heads(head, cfg, out)
 
 
 def make_llm(setup, tree: bool) -> LLM:

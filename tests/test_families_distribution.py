@@ -21,11 +21,10 @@ import pytest
 import torch
 
 from specdec import LLM
-from specdec.drafters.eagle3_head import Eagle3Head
-from specdec.drafters.heads import HeadConfig, arch_fields, save_heads
 from specdec.models.config import ModelArchConfig
 from tests.conftest import first_three_logits
 from tests.stats import ALPHA, assert_differs
+from tests.test_eagle3_distribution import greedy_chain, save_random_eagle3_head
 from tests.test_families import make_family_model
 from tests.test_rejection_sampler import AcceptEverything
 from tests.test_spec_distribution import BATCH, NUM_GREEDY, PROMPT, V, check_all, exact_joint, sample_counts
@@ -51,27 +50,14 @@ def setup(tmp_path_factory):
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
     draft.save_pretrained(root / "draft")
     logits = first_three_logits(target, PROMPT, V)
-    l1, l2, l3 = logits
-    a = int(l1.argmax())
-    b = int(l2[a].argmax())
     arch = ModelArchConfig.from_pretrained(root / "target")
     assert arch.sliding_window is not None and arch.sliding_window < len(PROMPT)
     assert arch.attn_logit_softcapping is not None and arch.final_logit_softcapping is not None
-    torch.manual_seed(11)
-    head = Eagle3Head(arch, len(DRAFT_VOCAB), (0, 1, 2))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3)
-    head.set_vocab(DRAFT_VOCAB)
-    cfg = HeadConfig(
-        method="eagle3", target="tiny-gemma2", hidden_size=arch.hidden_size, vocab_size=V,
-        arch=arch_fields(arch), draft_vocab_size=len(DRAFT_VOCAB), feature_layers=[0, 1, 2],
-    )  # fmt: skip
-    save_heads(head, cfg, root / "eagle3")
+    save_random_eagle3_head(root / "target", DRAFT_VOCAB, root / "eagle3")
     return {
         "root": root,
         "exact": {1.0: exact_joint(logits, 1.0)},
-        "greedy": [a, b, int(l3[a, b].argmax())],
+        "greedy": greedy_chain(logits),
     }
 
 
