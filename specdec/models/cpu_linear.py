@@ -45,6 +45,8 @@ class GemvLinear(nn.Module):
             self.direct
             and x.dim() == 2
             and x.dtype == self.weight.dtype
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu"
             and x.shape[0] <= cpu_gemv.max_rows(x.dtype)
             and not torch.is_grad_enabled()
         ):

@@ -27,6 +27,9 @@ from specdec.attention.base import AttentionBackend, AttentionMetadata
 from specdec.errors import UnknownModelError
 from specdec.models.config import ModelArchConfig
 
+#: Activation dtypes the CPU layer-op kernels take (:mod:`kernels.cpu_layer_ops`).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as transformers does:
@@ -48,6 +51,9 @@ class RMSNorm(nn.Module):
         if (
             self.use_kernel
             and x.dim() == 2
+            and x.dtype == self.weight.dtype
+            and x.dtype in KERNEL_DTYPES
+            and x.device.type == "cpu"
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
         ):
@@ -60,6 +66,10 @@ class GemmaRMSNorm(RMSNorm):
     stores ``w``, initialised at zero)."""
 
     gemma = True
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)  # (1 + 0): the identity scale, as transformers initialises it
 
 
 def make_norm(cfg: ModelArchConfig, size: int) -> RMSNorm:
@@ -171,7 +181,14 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        if self.use_kernels and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if (
+            self.use_kernels
+            and qk.device.type == "cpu"
+            and qk.dtype in KERNEL_DTYPES
+            and cos.dtype == qk.dtype
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
             qk = torch.ops.specdec_cpu.rope(qk, cos, sin)
         else:
             qk = rope_reference(qk, cos, sin)
@@ -187,6 +204,8 @@ class DecoderLayer(nn.Module):
         if (
             self.silu
             and self.use_kernels
+            and gate_up.device.type == "cpu"
+            and gate_up.dtype in KERNEL_DTYPES
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
         ):
@@ -349,22 +368,22 @@ class DecoderLM(nn.Module):
 def use_cpu_layer_ops(model: nn.Module) -> int:
     """Send ``model``'s RMSNorms, RoPE and SiLU products to the CPU kernels of
     :mod:`kernels.cpu_layer_ops`, in place, where the activations are float32 or bfloat16 on the CPU (a
-    norm's weight tells its layer's dtype) and the kernels build here. Inference only: with autograd
-    on, and inside ``torch.compile`` traces, the references run. Returns the number of modules switched."""
+    norm's weight tells its layer's dtype) and the kernels build here (asked only when some module
+    qualifies: a CUDA model builds nothing). Each call still checks device and dtype, so a model moved
+    later falls back to the references; with autograd on, and inside ``torch.compile`` traces, the
+    references run. Returns the number of modules switched."""
     from kernels import cpu_layer_ops
 
     def fits(norm: nn.Module) -> bool:
         w = norm.weight
         return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
 
-    if not cpu_layer_ops.available():
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm) and fits(m)]
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer) and fits(m.input_layernorm)]
+    if not (norms or layers) or not cpu_layer_ops.available():
         return 0
-    switched = 0
-    for module in model.modules():
-        if isinstance(module, RMSNorm) and fits(module):
-            module.use_kernel = True
-            switched += 1
-        elif isinstance(module, DecoderLayer) and fits(module.input_layernorm):
-            module.use_kernels = True
-            switched += 1
-    return switched
+    for norm in norms:
+        norm.use_kernel = True
+    for layer in layers:
+        layer.use_kernels = True
+    return len(norms) + len(layers)

@@ -112,6 +112,13 @@ def test_model_with_the_kernels_matches_the_references(dtype):
         got = model(*args, logits_indices=torch.arange(12))[0]
     tol = 1e-4 if dtype == torch.float32 else 0.05 * float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    # a model moved after the switch (here to float64) falls back to the references call by call
+    import copy
+
+    model64 = copy.deepcopy(model).double()
+    with torch.inference_mode():
+        moved = model64(*args, logits_indices=torch.arange(12))[0]
+    torch.testing.assert_close(moved, want, rtol=0, atol=tol)
     # autograd on: the references (the kernels have no backward)
     emb = model.embed_tokens.weight
     emb.requires_grad_(True)
