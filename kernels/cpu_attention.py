@@ -23,11 +23,13 @@ within one bfloat16 rounding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.cpu_ext import enabled, require_extension
 
-__all__ = ["available", "paged_attention_short", "write_kv"]
+__all__ = ["ShortQueries", "available", "paged_attention_short", "write_kv"]
 
 DISABLE_ENV = "SPECDEC_CPU_ATTENTION"
 
@@ -35,6 +37,21 @@ DISABLE_ENV = "SPECDEC_CPU_ATTENTION"
 def available() -> bool:
     """Whether the kernel can be used here: not disabled and built (on the first call)."""
     return enabled(DISABLE_ENV)
+
+
+@dataclass(frozen=True)
+class ShortQueries:
+    """The forward's ``m`` requests as the short-query attention kernel reads them
+    (:func:`kernels.cpu_attention.paged_attention_short`): all int64 ``[m]`` but ``block_table`` ``[B,
+    max_blocks]`` int64 and ``masks`` (flattened tree attention masks, uint8)."""
+
+    block_table: torch.Tensor
+    reqs: torch.Tensor
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    seq_len: torch.Tensor
+    mask_offset: torch.Tensor
+    masks: torch.Tensor
 
 
 def paged_attention_short(

@@ -15,6 +15,7 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool gemma);
 torch::Tensor rope(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+void bind_decode_stack(pybind11::module& m);  // kernels/csrc/cpu_decode_stack.cpp
 
 // The GEMV kernel as a dispatcher operator, specdec_cpu::gemv: a linear layer calls it ~120 times per
 // decode step, and through the dispatcher a call costs a few microseconds where a Python custom op costs
@@ -42,4 +43,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether bfloat16 products use AVX-512 BF16 dot products (kernels/csrc/cpu_gemv_bf16dp.h)");
   m.def("set_bf16_dot", &set_bf16_dot, "use (true) or skip (false) the AVX-512 BF16 kernel; returns has_bf16_dot()");
   m.def("has_avx2", &specdec_cpu::has_avx2, "whether the kernels were compiled with AVX2 + FMA");
+  bind_decode_stack(m);
 }

@@ -12,31 +12,17 @@ reference's within float32 rounding (``tests/kernels/test_cpu_attention.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels import cpu_attention
 from kernels.attention_metadata import AttentionMetadata
-from specdec.attention.reference import ReferenceAttention, _Plan
+from kernels.cpu_attention import ShortQueries
+from specdec.attention.reference import ReferenceAttention, _Plan, _plan
 
 __all__ = ["CpuAttention"]
 
 
-@dataclass
-class _ShortBatch:
-    """The kernel's view of the short-query requests (``m`` of them), built once per forward."""
-
-    reqs: torch.Tensor  # [m] int64, row of the block table
-    q_start: torch.Tensor  # [m] int64, first flattened row
-    q_len: torch.Tensor  # [m] int64
-    seq_len: torch.Tensor  # [m] int64
-    mask_offset: torch.Tensor  # [m] int64, -1 for causal
-    masks: torch.Tensor  # [*] uint8, tree attention masks flattened
-    block_table: torch.Tensor  # [B, max_blocks] int64, rows contiguous
-
-
-def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> _ShortBatch:
+def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> ShortQueries:
     columns = torch.tensor(plan.short, dtype=torch.int64).T.contiguous()  # [4, m]: b, start, q_len, seq_len
     offsets, flat, at = [], [], 0
     masks = metadata.new_token_masks
@@ -54,8 +40,8 @@ def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> _ShortBatch:
     block_table = metadata.block_table
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    return _ShortBatch(
-        columns[0], columns[1], columns[2], columns[3], torch.tensor(offsets), packed, block_table
+    return ShortQueries(
+        block_table, columns[0], columns[1], columns[2], columns[3], torch.tensor(offsets), packed
     )
 
 
@@ -65,6 +51,25 @@ class CpuAttention(ReferenceAttention):
 
     plan_key = "cpu"
     batch_short = False
+
+    def short_queries(self, metadata: AttentionMetadata, k_cache: torch.Tensor) -> ShortQueries | None:
+        """The forward's requests as the short-query kernel reads them when every one is short (decode
+        rows, verification chains, token trees: no prefill chunk) and ``k_cache`` (any layer's ``[num_blocks,
+        block_size, KVH, D]``) is in a dtype the kernel reads; None otherwise. Computed once per forward
+        (:attr:`AttentionMetadata.backend_cache`); :class:`kernels.cpu_decode_stack.DecodeStack` reads it."""
+        if k_cache.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        plan = metadata.backend_cache.get(self.plan_key)
+        if plan is None:
+            plan = metadata.backend_cache[self.plan_key] = _plan(
+                metadata, k_cache.shape[1], k_cache.device, batch_short=self.batch_short
+            )
+        if plan.prefills or not plan.short:
+            return None
+        batch = metadata.backend_cache.get("cpu_short")
+        if batch is None:
+            batch = metadata.backend_cache["cpu_short"] = _short_batch(metadata, plan)
+        return batch
 
     @staticmethod
     def _write(

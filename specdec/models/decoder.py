@@ -16,12 +16,14 @@ logits only at the rows asked for.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_decode_stack import DecodeStack, StackLayer
 from kernels.cpu_layer_ops import rms_norm_reference, rope_reference
 from specdec.attention.base import AttentionBackend, AttentionMetadata
 from specdec.errors import UnknownModelError
@@ -244,6 +246,10 @@ class DecoderLM(nn.Module):
         #: Layers whose input residual stream is returned as the features instead of the final-norm
         #: hidden state (EAGLE-3's low, middle and high layers; set by the engine for its drafter).
         self.feature_layers: tuple[int, ...] = ()
+        #: The C++ layer stack for short queries on the CPU (set by :func:`use_cpu_layer_ops`; None: off),
+        #: with the weights it was built from (a model whose layers changed since falls back).
+        self.decode_stack: DecodeStack | None = None
+        self._stack_weights: list[torch.Tensor] = []
 
     def set_feature_layers(self, layers: Sequence[int]) -> None:
         """Return as features the residual streams entering ``layers`` (concatenated in that order,
@@ -320,6 +326,10 @@ class DecoderLM(nn.Module):
             rope[True] = rope_cos_sin(
                 positions, self.local_inv_freq, self.cfg.local_rope_attention_scaling, hidden.dtype
             )
+        if self.decode_stack is not None and not isinstance(attention, Sequence):
+            fast = self._stacked(hidden, rope[False], kv_caches, metadata, attention)
+            if fast is not None:
+                return fast
         per_layer = attention if isinstance(attention, Sequence) else [attention] * len(self.layers)
         streams: dict[int, torch.Tensor] = {}
         for i, (layer, (k_cache, v_cache), attn, local) in enumerate(
@@ -333,6 +343,41 @@ class DecoderLM(nn.Module):
             return hidden, None
         streams[len(self.layers)] = hidden
         return hidden, torch.cat([streams[i] for i in self.feature_layers], dim=-1)
+
+    def _stacked(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """:meth:`layer_stack`'s layers through :attr:`decode_stack` (the same kernels in the same order,
+        equal outputs) when the batch is all short queries on the CPU backend, in the stack's dtype,
+        outside autograd and compilation; None where the per-layer path must run."""
+        from kernels import cpu_gemv
+
+        stack = self.decode_stack
+        short_queries = getattr(attention, "short_queries", None)
+        if (
+            stack is None
+            or short_queries is None
+            or hidden.dtype != stack.dtype
+            or hidden.device.type != "cpu"
+            or hidden.shape[0] > cpu_gemv.max_rows(hidden.dtype)
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or kv_caches[0][0].dtype != hidden.dtype
+            or not all(map(operator.is_, self._stack_weights, _stack_weights(self)))
+        ):
+            return None
+        short = short_queries(metadata, kv_caches[0][0])
+        if short is None:
+            return None
+        hidden, streams = stack.forward(
+            hidden, *rope, kv_caches, metadata.slot_mapping, short, self.feature_layers
+        )
+        return hidden, (torch.cat(streams, dim=-1) if streams else None)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """LM head on final-norm hidden states ``[R, hidden_size]`` -> float32 ``[R, vocab_size]``,
@@ -386,4 +431,68 @@ def use_cpu_layer_ops(model: nn.Module) -> int:
         norm.use_kernel = True
     for layer in layers:
         layer.use_kernels = True
+    for lm in (m for m in model.modules() if isinstance(m, DecoderLM)):
+        _use_decode_stack(lm)
     return len(norms) + len(layers)
+
+
+def _stack_modules(layer: DecoderLayer) -> tuple[nn.Module, ...]:
+    return (
+        layer.input_layernorm, layer.qkv_proj, layer.o_proj, layer.post_attention_layernorm,
+        layer.gate_up_proj, layer.down_proj,
+    )  # fmt: skip
+
+
+def _stack_weights(model: DecoderLM) -> list[torch.Tensor]:
+    """The weights :attr:`DecoderLM.decode_stack` holds, in a fixed order (compared by identity)."""
+    return [
+        t
+        for layer in model.layers
+        for m in _stack_modules(layer)
+        for t in (m.weight, getattr(m, "bias", None))
+        if t is not None
+    ]
+
+
+def _stack_layer(layer: DecoderLayer) -> StackLayer | None:
+    """``layer`` as :class:`kernels.cpu_decode_stack.StackLayer`, or None when the stack does not take it
+    (q/k norms, norms after attention or MLP, a GeLU MLP, linears not on the GEMV kernel)."""
+    from specdec.models.cpu_linear import GemvLinear
+
+    linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    dtype = layer.input_layernorm.weight.dtype
+    if (
+        not (layer.silu and layer.use_kernels)
+        or any(m is not None for m in (layer.q_norm, layer.k_norm, layer.attn_output_norm))
+        or layer.mlp_output_norm is not None
+        or not all(isinstance(m, GemvLinear) and m.direct and m.weight.dtype == dtype for m in linears)
+        or not all(n.use_kernel and n.weight.is_contiguous() and n.weight.dtype == dtype for n in norms)
+        or type(norms[0]) is not type(norms[1])
+        or norms[0].eps != norms[1].eps
+    ):
+        return None
+    kw = layer.attention_kwargs
+    return StackLayer(
+        layer.input_layernorm.weight, layer.qkv_proj.weight, layer.qkv_proj.bias, layer.o_proj.weight,
+        layer.o_proj.bias, layer.post_attention_layernorm.weight, layer.gate_up_proj.weight,
+        layer.gate_up_proj.bias, layer.down_proj.weight, layer.down_proj.bias, layer.num_heads,
+        layer.num_kv_heads, layer.head_dim, float(norms[0].eps), bool(norms[0].gemma), float(layer.scale),
+        int(kw.get("sliding_window", 0)), float(kw.get("softcap", 0.0)),
+    )  # fmt: skip
+
+
+def _use_decode_stack(model: DecoderLM) -> bool:
+    """Give ``model`` its :attr:`DecoderLM.decode_stack` when every layer fits and the stack builds here
+    (``SPECDEC_CPU_DECODE_STACK=0`` keeps the per-layer path). Returns whether it did."""
+    from kernels import cpu_decode_stack
+
+    model.decode_stack, model._stack_weights = None, []
+    layers = [_stack_layer(layer) for layer in model.layers]
+    if not layers or any(lay is None for lay in layers) or any(model.local_rope_layers):
+        return False
+    if model.embed_tokens.weight.dtype != layers[0].qkv.dtype or not cpu_decode_stack.available():  # type: ignore[union-attr]
+        return False
+    model.decode_stack = DecodeStack(layers)  # type: ignore[arg-type]
+    model._stack_weights = _stack_weights(model)
+    return True

@@ -1,0 +1,116 @@
+// A decoder's whole layer stack for short queries on the CPU, in one call from Python.
+//
+// At batch 1 a SmolLM2-135M bfloat16 step spent ~180 of each layer's ~470 microseconds outside its four
+// linears: Python module calls, argument conversion and torch dispatch around the layer's small kernels
+// (RMSNorm, RoPE, K/V write, paged attention, SiLU * up, residual adds). This file runs the same kernels
+// (cpu_layer_ops.cpp, cpu_gemv.cpp, cpu_attention.cpp) in the same order on the same tensors for every
+// layer, so its outputs equal the per-layer Python path bit for bit (tests/kernels/test_cpu_decode_stack.py);
+// only the overhead between them goes. The reference is DecoderLM.layer_stack's per-layer path
+// (specdec/models/decoder.py); kernels/cpu_decode_stack.py decides which models and batches it serves.
+//
+// Layers served: pre-norm decoder layers with one RMSNorm (Llama or Gemma form) before attention and one
+// before a SiLU-gated MLP, fused QKV and gate/up projections with optional biases, RoPE on every query
+// and key head, grouped-query attention with an optional sliding window and score soft-cap (Llama,
+// SmolLM2, Qwen2, Mistral). Batches served: every request's new tokens attended by the short-query kernel.
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
+void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
+                           torch::Tensor q_len, torch::Tensor seq_len, torch::Tensor mask_offset,
+                           torch::Tensor masks, torch::Tensor out, double scale, int64_t window,
+                           double softcap);
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool gemma);
+torch::Tensor rope(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
+namespace {
+
+// One layer's weights (shared with the model's modules, not copied) and shape. Undefined biases: none.
+struct Layer {
+  torch::Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
+  int64_t num_heads, num_kv_heads, head_dim, window;
+  double eps, scale, softcap;
+  bool gemma;
+};
+
+class DecodeStack {
+ public:
+  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o,
+                 torch::Tensor o_bias, torch::Tensor post_norm, torch::Tensor gate_up,
+                 torch::Tensor gate_up_bias, torch::Tensor down, torch::Tensor down_bias, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, double eps, bool gemma, double scale,
+                 int64_t window, double softcap) {
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
+                "DecodeStack: head counts / head_dim");
+    TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == (num_heads + 2 * num_kv_heads) * head_dim,
+                "DecodeStack: qkv weight [(H + 2 KVH) D, hidden]");
+    layers_.push_back(Layer{input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down,
+                            down_bias, num_heads, num_kv_heads, head_dim, window, eps, scale, softcap,
+                            gemma});
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [T, hidden] (the embedded tokens); cos, sin [T, 1, D] of hidden's dtype; k_caches, v_caches one
+  // [num_blocks, block_size, KVH, D] each per layer; slot_mapping [T] int64; the short-query batch as
+  // paged_attention_short takes it. Returns the residual stream after the last layer, then the streams
+  // entering each of feature_layers (an index equal to the layer count: the last layer's output).
+  std::vector<torch::Tensor> forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const std::vector<torch::Tensor>& k_caches,
+                                     const std::vector<torch::Tensor>& v_caches,
+                                     const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
+                                     const torch::Tensor& reqs, const torch::Tensor& q_start,
+                                     const torch::Tensor& q_len, const torch::Tensor& seq_len,
+                                     const torch::Tensor& mask_offset, const torch::Tensor& masks,
+                                     const std::vector<int64_t>& feature_layers) {
+    const int64_t L = size();
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
+                "DecodeStack: one K and one V cache per layer");
+    TORCH_CHECK(hidden.dim() == 2, "DecodeStack: hidden [T, hidden_size]");
+    const int64_t T = hidden.size(0);
+    std::vector<torch::Tensor> out(1 + feature_layers.size());
+    auto keep = [&](int64_t i, const torch::Tensor& h) {
+      for (size_t f = 0; f < feature_layers.size(); ++f)
+        if (feature_layers[f] == i) out[1 + f] = h;
+    };
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers_[i];
+      keep(i, hidden);
+      const int64_t H = l.num_heads, KVH = l.num_kv_heads, D = l.head_dim;
+      auto x = rms_norm(hidden, l.input_norm, l.eps, l.gemma);
+      auto qkv = gemv(x, l.qkv, l.qkv_bias).view({T, H + 2 * KVH, D});
+      auto qk = rope(qkv.narrow(1, 0, H + KVH), cos, sin);
+      auto v = qkv.narrow(1, H + KVH, KVH);
+      write_kv(qk.narrow(1, H, KVH), v, k_caches[i], v_caches[i], slot_mapping);
+      auto q = qk.narrow(1, 0, H).contiguous();
+      auto attn = torch::empty({T, H, D}, hidden.options());
+      paged_attention_short(q, k_caches[i], v_caches[i], block_table, reqs, q_start, q_len, seq_len,
+                            mask_offset, masks, attn, l.scale, l.window, l.softcap);
+      hidden = hidden + gemv(attn.view({T, H * D}), l.o, l.o_bias);
+      auto gate_up = gemv(rms_norm(hidden, l.post_norm, l.eps, l.gemma), l.gate_up, l.gate_up_bias);
+      hidden = hidden + gemv(silu_mul(gate_up), l.down, l.down_bias);
+    }
+    keep(L, hidden);
+    out[0] = hidden;
+    return out;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack",
+                                "a decoder's layer stack for short queries (kernels/csrc/cpu_decode_stack.cpp)")
+      .def(pybind11::init<>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("__len__", &DecodeStack::size)
+      .def("forward", &DecodeStack::forward);
+}

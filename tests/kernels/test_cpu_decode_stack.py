@@ -1,0 +1,187 @@
+"""The C++ layer stack (:mod:`kernels.cpu_decode_stack`) against its reference, the model's per-layer
+path: the same kernels in the same order, so residual streams, feature streams and the K/V written to
+the cache are equal bit for bit, for decode rows, verification chains and token trees, in float32 and
+bfloat16, over every layer option it takes (QKV bias, Gemma-form norms, sliding windows, score
+soft-caps). Through the engine: greedy tokens equal with the stack on and off (plain, n-gram chains,
+token trees), and the stack serves the decode and verification steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kernels import cpu_decode_stack
+from kernels.testing import make_paged_batch, random_tree_mask
+
+pytestmark = pytest.mark.skipif(not cpu_decode_stack.available(), reason="the CPU kernels do not build here")
+
+HEAD_DIM = 32
+
+
+def _model(dtype: torch.dtype, layers: int = 3, **overrides):
+    from specdec.models.config import ModelArchConfig
+    from specdec.models.cpu_linear import use_gemv_linears
+    from specdec.models.decoder import DecoderLM, use_cpu_layer_ops
+
+    fields = dict(
+        model_type="llama", vocab_size=200, hidden_size=128, intermediate_size=192, num_layers=layers,
+        num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        qkv_bias=False, o_bias=False, mlp_bias=False, max_position_embeddings=512,
+        inv_freq=tuple((1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)).tolist()),
+        rope_attention_scaling=1.0, bos_token_id=1, eos_token_ids=(2,),
+    )  # fmt: skip
+    fields.update(overrides)
+    torch.manual_seed(0)
+    model = DecoderLM(ModelArchConfig(**fields))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() == 2 else p.normal_(1.0, 0.1)
+    model = model.to(dtype).eval()
+    use_gemv_linears(model)
+    use_cpu_layer_ops(model)
+    return model
+
+
+VARIANTS = {
+    "llama": {},
+    "qwen2-bias": dict(model_type="qwen2", qkv_bias=True),
+    "mistral-window": dict(model_type="mistral", sliding_window=6, layer_types=("sliding_attention",) * 3),
+    "gemma-norm-softcap-mixed-window": dict(
+        norm_style="gemma", attn_logit_softcapping=20.0, sliding_window=5,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+    ),  # fmt: skip
+}
+
+# (query_len, context_len) per request: decode rows, a k = 4 chain, trees of 5 and 9 nodes
+BATCHES = {
+    "decode-1": [(1, 13)],
+    "decode-3": [(1, 3), (1, 17), (1, 9)],
+    "chain+decode": [(5, 11), (1, 20)],
+    "trees": [(5, 7), (9, 12), (1, 4)],
+}
+
+
+def _run(model, batch, caches, features=()):
+    from specdec.attention.cpu_backend import CpuAttention
+
+    model.set_feature_layers(features)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.cfg.vocab_size, (sum(batch.query_lens),), generator=g)
+    positions = torch.cat(
+        [torch.arange(s - q, s) for q, s in zip(batch.query_lens, batch.seq_lens_host)]
+    )  # chain positions; the tree tests' depths only move RoPE, equal on both paths
+    with torch.inference_mode():
+        return model.layer_stack(ids, positions, caches, batch.metadata(), CpuAttention())
+
+
+def _caches(model, batch):
+    g = torch.Generator().manual_seed(9)
+    out = []
+    for _ in model.layers:
+        k, v = batch.k_cache.clone(), batch.v_cache.clone()
+        for c in (k, v):
+            owned = ~c.isnan()
+            c[owned] = torch.randn(int(owned.sum()), generator=g).to(c.dtype)
+        out.append((k, v))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", list(BATCHES))
+def test_stack_equals_the_per_layer_path_bit_for_bit(dtype, variant, shape):
+    model = _model(dtype, **VARIANTS[variant])
+    assert model.decode_stack is not None and len(model.decode_stack) == 3
+    seqs = BATCHES[shape]
+    g = torch.Generator().manual_seed(3)
+    masks = [random_tree_mask(q, g) if q > 1 and shape == "trees" else None for q, _ in seqs]
+    batch = make_paged_batch(
+        seqs, 4, 2, HEAD_DIM, block_size=4, dtype=dtype, new_token_masks=masks, write_new=False
+    )
+    features = (0, 2, 3)
+    caches_ref, caches_got = _caches(model, batch), None
+    caches_got = [(k.clone(), v.clone()) for k, v in caches_ref]
+    calls = _count_stack_calls(model)
+    got, got_features = _run(model, batch, caches_got, features)
+    assert calls == [1]  # the stack served this batch
+    stack, model.decode_stack = model.decode_stack, None
+    want, want_features = _run(model, batch, caches_ref, features)
+    model.decode_stack = stack
+    assert torch.equal(got, want)
+    assert torch.equal(got_features, want_features) and got_features.shape[-1] == 3 * 128
+    for (kg, vg), (kr, vr) in zip(caches_got, caches_ref):  # the new K/V written alike, nothing else
+        torch.testing.assert_close(kg, kr, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(vg, vr, rtol=0, atol=0, equal_nan=True)
+
+
+def _count_stack_calls(model) -> list[int]:
+    calls = [0]
+    inner = model.decode_stack.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    model.decode_stack.forward = counted
+    return calls
+
+
+def test_batches_and_models_it_does_not_take_fall_back():
+    """A prefill chunk, autograd, a model copied or moved after the switch, and layers it does not take
+    (q/k norms, norms after attention, GeLU) run the per-layer path."""
+    model = _model(torch.float32)
+    calls = _count_stack_calls(model)
+    batch = make_paged_batch([(40, 0), (1, 5)], 4, 2, HEAD_DIM, block_size=4, write_new=False)
+    _run(model, batch, _caches(model, batch))
+    assert calls == [0]  # a 40-token prefill chunk: not a short query
+    decode = make_paged_batch([(1, 5)], 4, 2, HEAD_DIM, block_size=4, write_new=False)
+    with torch.enable_grad():
+        ids, pos = torch.tensor([3]), torch.tensor([5])
+        from specdec.attention.cpu_backend import CpuAttention
+
+        model.layer_stack(ids, pos, _caches(model, decode), decode.metadata(), CpuAttention())
+    assert calls == [0]
+    copied = copy.deepcopy(model)  # new weights: the stack built on the old ones is not used
+    want = _run(copied, decode, _caches(copied, decode))[0]
+    copied.decode_stack = None
+    assert torch.equal(want, _run(copied, decode, _caches(copied, decode))[0])
+    assert calls == [0]
+    _run(model, decode, _caches(model, decode))
+    assert calls == [1]
+    for overrides in (dict(qk_norm=True), dict(post_norms=True), dict(hidden_act="gelu_pytorch_tanh")):
+        assert _model(torch.float32, **overrides).decode_stack is None
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setenv(cpu_decode_stack.DISABLE_ENV, "0")
+    assert not cpu_decode_stack.available()
+    assert _model(torch.float32).decode_stack is None
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}],
+    ids=["plain", "ngram-k3"],
+)
+def test_engine_greedy_tokens_equal_with_the_stack_off(tiny_model_dirs, monkeypatch, spec):
+    from sampling.params import SamplingParams
+    from specdec import LLM
+
+    g = torch.Generator().manual_seed(11)
+    motif = torch.randint(3, 128, (4,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": (motif * 6)[:n]} for n in (5, 14, 23)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kwargs = dict(skip_tokenizer_init=True, block_size=16, speculative_config=spec)
+    d = tiny_model_dirs["llama-gqa3-tied"]
+    llm = LLM(d, **kwargs)
+    calls = _count_stack_calls(llm.engine.model)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls[0] >= 11  # every decode / verification step of the batch
+    if spec:
+        assert llm.engine.spec_stats.num_accepted_tokens > 0
+    monkeypatch.setenv(cpu_decode_stack.DISABLE_ENV, "0")
+    off = LLM(d, **kwargs)
+    assert off.engine.model.decode_stack is None
+    assert [o.outputs[0].token_ids for o in off.generate(prompts, params)] == got
