@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_gemv
 from kernels.cpu_gemv import gemv
 from specdec.errors import ConfigError
 from specdec.models.decoder import softcap
@@ -65,6 +66,8 @@ class DraftVocab:
         weight = target.lm_head.weight.detach()
         self.weight = weight[self.ids.to(weight.device)]
         self.softcap = target.cfg.final_logit_softcapping  # Gemma 2: the target's logits are capped
+        # decided once: cpu_gemv.gemv would ask whether the kernel is built at every call (~30 µs)
+        self.use_kernel = self.weight.device.type == "cpu" and cpu_gemv.available()
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -72,7 +75,7 @@ class DraftVocab:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., V']`` float32 of final-norm hidden states ``[..., H]``: the target's
         logits of those ids (soft-capped like the target's where it caps them)."""
-        out = gemv(hidden.to(self.weight.dtype), self.weight).float()
+        out = gemv(hidden.to(self.weight.dtype), self.weight, use_kernel=self.use_kernel).float()
         return out if self.softcap is None else softcap(out, self.softcap)
 
     def to_target(self, indices: torch.Tensor) -> torch.Tensor:

@@ -145,6 +145,10 @@ class DecoderLayer(nn.Module):
         self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.attn_output_norm = make_norm(cfg, cfg.hidden_size) if cfg.post_norms else None
         self.mlp_output_norm = make_norm(cfg, cfg.hidden_size) if cfg.post_norms else None
+        #: A one-layer C++ stack for this layer when it runs outside a stacked :class:`DecoderLM` (a draft
+        #: head's layer; set by :func:`use_cpu_layer_ops`; None: off), and the weights it holds.
+        self.decode_stack: DecodeStack | None = None
+        self._stack_weights: list[torch.Tensor] = []
 
     def forward(
         self,
@@ -158,6 +162,13 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``; ``cos``/``sin`` ``[T, 1, head_dim]``
         (this layer's RoPE); the cache and backend as :meth:`DecoderLM.forward`."""
+        if self.decode_stack is not None:
+            fast = _run_stack(
+                self.decode_stack, self._stack_weights, _layer_weights(self), hidden, (cos, sin),
+                [(k_cache, v_cache)], metadata, attention, (),
+            )  # fmt: skip
+            if fast is not None:
+                return fast[0]
         return self.block(
             hidden, self.input_layernorm(hidden), cos, sin, k_cache, v_cache, metadata, attention
         )
@@ -352,31 +363,16 @@ class DecoderLM(nn.Module):
         metadata: AttentionMetadata,
         attention: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """:meth:`layer_stack`'s layers through :attr:`decode_stack` (the same kernels in the same order,
-        equal outputs) when the batch is all short queries on the CPU backend, in the stack's dtype,
-        outside autograd and compilation; None where the per-layer path must run."""
-        from kernels import cpu_gemv
-
-        stack = self.decode_stack
-        short_queries = getattr(attention, "short_queries", None)
-        if (
-            stack is None
-            or short_queries is None
-            or hidden.dtype != stack.dtype
-            or hidden.device.type != "cpu"
-            or hidden.shape[0] > cpu_gemv.max_rows(hidden.dtype)
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-            or kv_caches[0][0].dtype != hidden.dtype
-            or not all(map(operator.is_, self._stack_weights, _stack_weights(self)))
-        ):
+        """:meth:`layer_stack`'s layers through :attr:`decode_stack` (see :func:`_run_stack`); None where
+        the per-layer path must run."""
+        assert self.decode_stack is not None
+        out = _run_stack(
+            self.decode_stack, self._stack_weights, _stack_weights(self), hidden, rope, kv_caches, metadata,
+            attention, self.feature_layers,
+        )  # fmt: skip
+        if out is None:
             return None
-        short = short_queries(metadata, kv_caches[0][0])
-        if short is None:
-            return None
-        hidden, streams = stack.forward(
-            hidden, *rope, kv_caches, metadata.slot_mapping, short, self.feature_layers
-        )
+        hidden, streams = out
         return hidden, (torch.cat(streams, dim=-1) if streams else None)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
@@ -431,8 +427,13 @@ def use_cpu_layer_ops(model: nn.Module) -> int:
         norm.use_kernel = True
     for layer in layers:
         layer.use_kernels = True
+    in_models = set()
     for lm in (m for m in model.modules() if isinstance(m, DecoderLM)):
         _use_decode_stack(lm)
+        in_models.update(id(layer) for layer in lm.layers)
+    for layer in layers:  # a draft head's layer: a stack of one
+        if id(layer) not in in_models:
+            _use_layer_stack(layer)
     return len(norms) + len(layers)
 
 
@@ -443,15 +444,54 @@ def _stack_modules(layer: DecoderLayer) -> tuple[nn.Module, ...]:
     )  # fmt: skip
 
 
+def _layer_weights(layer: DecoderLayer) -> list[torch.Tensor]:
+    """The weights a stack holds for ``layer``, in a fixed order (compared by identity)."""
+    return [t for m in _stack_modules(layer) for t in (m.weight, getattr(m, "bias", None)) if t is not None]
+
+
 def _stack_weights(model: DecoderLM) -> list[torch.Tensor]:
     """The weights :attr:`DecoderLM.decode_stack` holds, in a fixed order (compared by identity)."""
-    return [
-        t
-        for layer in model.layers
-        for m in _stack_modules(layer)
-        for t in (m.weight, getattr(m, "bias", None))
-        if t is not None
-    ]
+    return [t for layer in model.layers for t in _layer_weights(layer)]
+
+
+def _run_stack(
+    stack: DecodeStack,
+    held: list[torch.Tensor],
+    now: list[torch.Tensor],
+    hidden: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_caches: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]],
+    metadata: AttentionMetadata,
+    attention: AttentionBackend,
+    feature_layers: Sequence[int],
+) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """``stack``'s layers on ``hidden`` ``[T, H]`` (the same kernels in the same order as the per-layer
+    path, equal outputs) when the batch is all short queries on the CPU attention backend, in the stack's
+    dtype, outside autograd and compilation, and the module still holds the weights the stack was built
+    from (``held`` is ``now``, tensor by tensor); None where the per-layer path must run."""
+    from kernels import cpu_gemv
+
+    short_queries = getattr(attention, "short_queries", None)
+    k_cache = kv_caches[0][0]
+    if (
+        short_queries is None
+        or k_cache is None
+        or hidden.dim() != 2
+        or hidden.dtype != stack.dtype
+        or hidden.device.type != "cpu"
+        or rope[0].dtype != hidden.dtype
+        or hidden.shape[0] > cpu_gemv.max_rows(hidden.dtype)
+        or torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or k_cache.dtype != hidden.dtype
+        or len(held) != len(now)
+        or not all(map(operator.is_, held, now))
+    ):
+        return None
+    short = short_queries(metadata, k_cache)
+    if short is None:
+        return None
+    return stack.forward(hidden, *rope, kv_caches, metadata.slot_mapping, short, feature_layers)  # type: ignore[arg-type]
 
 
 def _stack_layer(layer: DecoderLayer) -> StackLayer | None:
@@ -495,4 +535,18 @@ def _use_decode_stack(model: DecoderLM) -> bool:
         return False
     model.decode_stack = DecodeStack(layers)  # type: ignore[arg-type]
     model._stack_weights = _stack_weights(model)
+    return True
+
+
+def _use_layer_stack(layer: DecoderLayer) -> bool:
+    """Give a layer that runs on its own (an EAGLE head's) a one-layer :attr:`DecoderLayer.decode_stack`
+    when it fits and the stack builds here. Returns whether it did."""
+    from kernels import cpu_decode_stack
+
+    layer.decode_stack, layer._stack_weights = None, []
+    spec = _stack_layer(layer)
+    if spec is None or not cpu_decode_stack.available():
+        return False
+    layer.decode_stack = DecodeStack([spec])
+    layer._stack_weights = _layer_weights(layer)
     return True

@@ -49,9 +49,11 @@ VARIANTS = {
     "qwen2-bias": dict(model_type="qwen2", qkv_bias=True),
     "mistral-window": dict(model_type="mistral", sliding_window=6, layer_types=("sliding_attention",) * 3),
     "gemma-norm-softcap-mixed-window": dict(
-        norm_style="gemma", attn_logit_softcapping=20.0, sliding_window=5,
+        norm_style="gemma",
+        attn_logit_softcapping=20.0,
+        sliding_window=5,
         layer_types=("sliding_attention", "full_attention", "sliding_attention"),
-    ),  # fmt: skip
+    ),
 }
 
 # (query_len, context_len) per request: decode rows, a k = 4 chain, trees of 5 and 9 nodes
@@ -185,3 +187,44 @@ def test_engine_greedy_tokens_equal_with_the_stack_off(tiny_model_dirs, monkeypa
     off = LLM(d, **kwargs)
     assert off.engine.model.decode_stack is None
     assert [o.outputs[0].token_ids for o in off.generate(prompts, params)] == got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_draft_heads_layer_takes_a_stack_of_one(dtype):
+    """An EAGLE head's decoder layer (outside any stacked model) gets a one-layer stack: its predicted
+    features and the K/V it writes equal the per-layer path's bit for bit."""
+    from specdec.attention.cpu_backend import CpuAttention
+    from specdec.drafters.heads import EagleHead
+    from specdec.models.cpu_linear import use_gemv_linears
+    from specdec.models.decoder import use_cpu_layer_ops
+
+    torch.manual_seed(1)
+    head = EagleHead(_model(torch.float32).cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.08) if p.dim() == 2 else p.normal_(1.0, 0.1)
+    head = head.to(dtype).eval()
+    use_gemv_linears(head)
+    use_cpu_layer_ops(head)
+    assert head.layer.decode_stack is not None and len(head.layer.decode_stack) == 1
+    batch = make_paged_batch([(1, 9), (3, 6)], 4, 2, HEAD_DIM, block_size=4, dtype=dtype, write_new=False)
+    g = torch.Generator().manual_seed(2)
+    embeds, feats = (torch.randn(4, 128, generator=g).to(dtype) for _ in range(2))
+    positions = torch.tensor([9, 6, 7, 8])
+    calls = [0]
+    inner = head.layer.decode_stack.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    head.layer.decode_stack.forward = counted
+    caches = [(batch.k_cache.clone(), batch.v_cache.clone()) for _ in range(2)]
+    with torch.inference_mode():
+        got = head(embeds, feats, positions, caches[0], batch.metadata(), CpuAttention())
+        assert calls == [1]
+        head.layer.decode_stack = None
+        want = head(embeds, feats, positions, caches[1], batch.metadata(), CpuAttention())
+    assert torch.equal(got, want)
+    for a, b in zip(caches[0], caches[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
