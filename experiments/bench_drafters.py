@@ -68,6 +68,8 @@ METHODS: dict[str, dict[str, Any] | None] = {
         "tree_topk": 4,
         "draft_vocab": "{model}-eagle3",
     },
+    # The target's own weights quantized to int8 per channel as its drafter.
+    "quantized-int8": {"method": "quantized_self", "num_speculative_tokens": 4, "quantization": "int8"},
 }
 DEFAULT_SPECBENCH = "../shared/specbench/question.jsonl"
 
@@ -190,9 +192,13 @@ def run_method(
 
 def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     from experiments.run import load_tokenizer, prompt_token_ids
+    from specdec.config import SpeculativeConfig
     from specdec.zoo import resolve_model
 
     specs = {name: method_spec(name, cfg.model) for name in cfg.methods}
+    for spec in specs.values():  # every method's settings checked before any work
+        if spec is not None:
+            SpeculativeConfig.from_any(spec)
     prompts = load_prompts(cfg.prompts, cfg.limit, cfg.per_category, cfg.specbench_path)
     ids = prompt_token_ids(load_tokenizer(cfg.model), prompts)
     cats = [p.category for p in prompts]

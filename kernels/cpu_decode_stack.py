@@ -46,7 +46,9 @@ class StackLayer:
     ``[hidden, H D]``; ``gate_up`` ``[2 I, hidden]``; ``down`` ``[hidden, I]``; biases ``[out]`` or None;
     all contiguous, of one dtype (float32 or bfloat16). ``eps``, ``gemma``: the norms' (Gemma's form
     scales by ``1 + w``); ``scale``: the attention softmax scale; ``window``: sliding window in positions
-    (0: none); ``softcap``: attention score soft-cap (0: none).
+    (0: none); ``softcap``: attention score soft-cap (0: none). ``*_packed``: the linears' oneDNN-packed
+    weights (:func:`kernels.cpu_gemv.pack_onednn`) or None; a product takes oneDNN where
+    :func:`kernels.cpu_gemv.onednn_rows` says so and the layer has a packed weight, as the linear layers do.
     """
 
     input_norm: torch.Tensor
@@ -67,6 +69,10 @@ class StackLayer:
     scale: float
     window: int = 0
     softcap: float = 0.0
+    qkv_packed: torch.Tensor | None = None
+    o_packed: torch.Tensor | None = None
+    gate_up_packed: torch.Tensor | None = None
+    down_packed: torch.Tensor | None = None
 
 
 _NO_BIAS = torch.empty(0)
@@ -96,6 +102,7 @@ class DecodeStack:
                 lay.input_norm, lay.qkv, _bias(lay.qkv_bias), lay.o, _bias(lay.o_bias), lay.post_norm,
                 lay.gate_up, _bias(lay.gate_up_bias), lay.down, _bias(lay.down_bias), lay.num_heads,
                 lay.num_kv_heads, lay.head_dim, lay.eps, lay.gemma, lay.scale, lay.window, lay.softcap,
+                _bias(lay.qkv_packed), _bias(lay.o_packed), _bias(lay.gate_up_packed), _bias(lay.down_packed),
             )  # fmt: skip
 
     def __len__(self) -> int:
@@ -142,5 +149,6 @@ class DecodeStack:
         return out[0], out[1:]
 
 
-def _bias(bias: torch.Tensor | None) -> torch.Tensor:
-    return _NO_BIAS if bias is None else bias
+def _bias(t: torch.Tensor | None) -> torch.Tensor:
+    """An optional tensor as the C++ stack takes it: empty for None."""
+    return _NO_BIAS if t is None else t

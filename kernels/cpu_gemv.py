@@ -54,6 +54,47 @@ BF16_DOT_ROWS = 32
 
 _bf16_dot_in_use: bool | None = None  # bf16_dot(), cached: max_rows() runs on every call
 
+#: ``SPECDEC_CPU_ONEDNN=0``: no oneDNN-packed copies of bfloat16 weights (every few-row product on the kernel,
+#: prefill chunks through ``F.linear`` on the dense weight), and no second copy of the weights in memory.
+ONEDNN_ENV = "SPECDEC_CPU_ONEDNN"
+
+
+def onednn_supported(weight: torch.Tensor) -> bool:
+    """Whether a linear layer with ``weight`` ``[N, K]`` takes a oneDNN-packed copy (:func:`pack_onednn`):
+    bfloat16 on the CPU, oneDNN with a bfloat16 path, the kernels built (their rule, :func:`onednn_rows`,
+    picks the path per call) and not switched off (``SPECDEC_CPU_ONEDNN=0``)."""
+    import os
+
+    return (
+        os.environ.get(ONEDNN_ENV, "1") != "0"
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and not _NO_ONEDNN_BF16
+        and torch.backends.mkldnn.is_available()
+        and available()
+    )
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` (bfloat16) reordered into oneDNN's blocked layout
+    (``mkldnn::_reorder_linear_weight``, what inductor's weight freezing does): a second copy of the weight,
+    for ``mkldnn::_linear_pointwise``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def onednn_rows(rows: int, out_features: int, in_features: int) -> bool:
+    """Whether a bfloat16 product of ``rows`` rows with an ``[out_features, in_features]`` weight runs
+    faster through oneDNN's packed GEMM than through the kernel: 12 rows and more, or 5 and more for wide
+    matrices (``out_features >= 2048`` or ``in_features >= 1024``); measured on a 2-core AMD EPYC with
+    AVX512_BF16, SmolLM2 shapes, at 16 rows 88-119 G multiply-adds/s against the kernel's 52-71. The rule
+    is the C++ one (``csrc/cpu_gemv.cpp``), shared with :mod:`kernels.cpu_decode_stack`.
+
+    Raises:
+        RuntimeError: the kernels are not built here.
+    """
+    return bool(require_extension().onednn_rows(rows, out_features, in_features))
+
 
 def max_rows(dtype: torch.dtype) -> int:
     """Rows up to which :func:`gemv` uses the kernel: :data:`MAX_ROWS`; for bfloat16

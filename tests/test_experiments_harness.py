@@ -67,6 +67,7 @@ def test_defaults_are_the_old_argparse_defaults():
         "medusa-v8k",
         "eagle-v8k",
         "eagle-v8k-tree",
+        "quantized-int8",
     ]
     assert drafters.specbench_path == "../shared/specbench/question.jsonl"
 
@@ -282,3 +283,17 @@ def test_bench_step_tree_and_config():
         bench_step.main(["tree_nodes=0"])
     with pytest.raises(ConfigError, match="dtype"):
         bench_step.main(["dtype=float16"])
+
+
+def test_bench_drafters_checks_every_method_before_any_work(monkeypatch):
+    """A method whose settings are wrong (``quantized_self`` without a scheme) is a ConfigError before a
+    prompt is loaded or a model built; the ``quantized-int8`` row names its scheme."""
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the methods were checked")
+
+    monkeypatch.setattr(bench_drafters, "load_prompts", no_work)
+    cfg = bench_drafters.main.config(["methods=[plain,quantized_self]"])
+    with pytest.raises(ConfigError, match="quantized_self' needs quantization"):
+        bench_drafters.run(cfg)
+    assert bench_drafters.method_spec("quantized-int8")["quantization"] == "int8"

@@ -4,6 +4,7 @@
 
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 bool has_bf16_dot();
+bool onednn_rows(int64_t M, int64_t N, int64_t K);
 bool set_bf16_dot(bool enabled);
 void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
@@ -42,6 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot,
         "whether bfloat16 products use AVX-512 BF16 dot products (kernels/csrc/cpu_gemv_bf16dp.h)");
   m.def("set_bf16_dot", &set_bf16_dot, "use (true) or skip (false) the AVX-512 BF16 kernel; returns has_bf16_dot()");
+  m.def("onednn_rows", &onednn_rows,
+        "whether an [M, K] x [N, K]^T bfloat16 product takes oneDNN's packed GEMM (kernels/csrc/cpu_gemv.cpp)");
   m.def("has_avx2", &specdec_cpu::has_avx2, "whether the kernels were compiled with AVX2 + FMA");
   bind_decode_stack(m);
 }

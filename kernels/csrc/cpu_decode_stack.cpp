@@ -17,6 +17,8 @@
 #include <vector>
 
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
+bool onednn_rows(int64_t M, int64_t N, int64_t K);
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias);
 void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
                            torch::Tensor q_len, torch::Tensor seq_len, torch::Tensor mask_offset,
@@ -30,9 +32,19 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 namespace {
 
-// One layer's weights (shared with the model's modules, not copied) and shape. Undefined biases: none.
+// A linear layer's product as GemvLinear computes it: oneDNN on its packed weight where onednn_rows says
+// so and the layer has one (bfloat16), else the GEMV kernel.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
+                     const torch::Tensor& packed) {
+  if (packed.numel() && onednn_rows(x.size(0), w.size(0), w.size(1))) return linear_packed(x, packed, bias);
+  return gemv(x, w, bias);
+}
+
+// One layer's weights (shared with the model's modules, not copied), their oneDNN-packed copies (empty:
+// none) and shape. Empty biases: none.
 struct Layer {
   torch::Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
+  torch::Tensor qkv_packed, o_packed, gate_up_packed, down_packed;
   int64_t num_heads, num_kv_heads, head_dim, window;
   double eps, scale, softcap;
   bool gemma;
@@ -44,14 +56,15 @@ class DecodeStack {
                  torch::Tensor o_bias, torch::Tensor post_norm, torch::Tensor gate_up,
                  torch::Tensor gate_up_bias, torch::Tensor down, torch::Tensor down_bias, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, double eps, bool gemma, double scale,
-                 int64_t window, double softcap) {
+                 int64_t window, double softcap, torch::Tensor qkv_packed, torch::Tensor o_packed,
+                 torch::Tensor gate_up_packed, torch::Tensor down_packed) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
                 "DecodeStack: head counts / head_dim");
     TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == (num_heads + 2 * num_kv_heads) * head_dim,
                 "DecodeStack: qkv weight [(H + 2 KVH) D, hidden]");
     layers_.push_back(Layer{input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down,
-                            down_bias, num_heads, num_kv_heads, head_dim, window, eps, scale, softcap,
-                            gemma});
+                            down_bias, qkv_packed, o_packed, gate_up_packed, down_packed, num_heads,
+                            num_kv_heads, head_dim, window, eps, scale, softcap, gemma});
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -83,7 +96,7 @@ class DecodeStack {
       keep(i, hidden);
       const int64_t H = l.num_heads, KVH = l.num_kv_heads, D = l.head_dim;
       auto x = rms_norm(hidden, l.input_norm, l.eps, l.gemma);
-      auto qkv = gemv(x, l.qkv, l.qkv_bias).view({T, H + 2 * KVH, D});
+      auto qkv = linear(x, l.qkv, l.qkv_bias, l.qkv_packed).view({T, H + 2 * KVH, D});
       auto qk = rope(qkv.narrow(1, 0, H + KVH), cos, sin);
       auto v = qkv.narrow(1, H + KVH, KVH);
       write_kv(qk.narrow(1, H, KVH), v, k_caches[i], v_caches[i], slot_mapping);
@@ -91,9 +104,10 @@ class DecodeStack {
       auto attn = torch::empty({T, H, D}, hidden.options());
       paged_attention_short(q, k_caches[i], v_caches[i], block_table, reqs, q_start, q_len, seq_len,
                             mask_offset, masks, attn, l.scale, l.window, l.softcap);
-      hidden = hidden + gemv(attn.view({T, H * D}), l.o, l.o_bias);
-      auto gate_up = gemv(rms_norm(hidden, l.post_norm, l.eps, l.gemma), l.gate_up, l.gate_up_bias);
-      hidden = hidden + gemv(silu_mul(gate_up), l.down, l.down_bias);
+      hidden = hidden + linear(attn.view({T, H * D}), l.o, l.o_bias, l.o_packed);
+      auto gate_up = linear(rms_norm(hidden, l.post_norm, l.eps, l.gemma), l.gate_up, l.gate_up_bias,
+                            l.gate_up_packed);
+      hidden = hidden + linear(silu_mul(gate_up), l.down, l.down_bias, l.down_packed);
     }
     keep(L, hidden);
     out[0] = hidden;

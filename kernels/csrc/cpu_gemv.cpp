@@ -7,6 +7,7 @@
 // inputs; float32 accumulation, 8-lane AVX2 FMA with two accumulators per row when the compiler targets AVX2, a scalar
 // loop otherwise. bfloat16 weights with bfloat16 inputs on a CPU with AVX512_BF16: cpu_gemv_bf16dp.h instead. Reference: kernels/cpu_gemv.py:gemv_reference (F.linear); tests/kernels/test_cpu_gemv.py.
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <algorithm>
 #include <atomic>
 #include <type_traits>
@@ -181,4 +182,29 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
   else if (xf) gemv_typed<at::BFloat16, float>(x, w, bp, y);
   else gemv_typed<at::BFloat16, at::BFloat16>(x, w, bp, y);
   return y;
+}
+
+// Whether an [M, K] x [N, K]^T bfloat16 product is faster through oneDNN's GEMM on pre-packed weights than
+// through the kernel above (measured on a 2-core AMD EPYC with AVX512_BF16, SmolLM2 shapes, weights cold:
+// at 16 rows oneDNN 88-119 G multiply-adds/s against the kernel's 52-71; at 5 rows 48-61 against 39-49 for
+// the wide matrices, while the kernel stays ahead on the small ones and at 1-2 rows). One rule for the
+// linear layers (specdec/models/cpu_linear.py) and the layer stack (cpu_decode_stack.cpp), so both take
+// the same path for the same product.
+bool onednn_rows(int64_t M, int64_t N, int64_t K) { return M >= 12 || (M >= 5 && (N >= 2048 || K >= 1024)); }
+
+// y [M, N] = x [M, K] @ W^T + bias through oneDNN (mkldnn::_linear_pointwise), packed: W reordered by
+// mkldnn::_reorder_linear_weight; bias [N] of x's dtype, or undefined / empty for none.
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack;
+  stack.reserve(6);
+  stack.emplace_back(x.is_contiguous() ? x : x.contiguous());
+  stack.emplace_back(packed);
+  if (bias.defined() && bias.numel()) stack.emplace_back(bias);
+  else stack.emplace_back(c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
 }

@@ -39,6 +39,9 @@ class GemvLinear(nn.Module):
             and self.weight.dtype in (torch.float32, torch.bfloat16)
             and self.weight.is_contiguous()
         )
+        #: oneDNN-packed copy of a bfloat16 weight (:func:`use_onednn_packing`), None: the kernel only.
+        self.packed: torch.Tensor | None = None
+        self._onednn: dict[int, bool] = {}  # rows -> cpu_gemv.onednn_rows(rows, N, K)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -47,14 +50,44 @@ class GemvLinear(nn.Module):
             and x.dtype == self.weight.dtype
             and x.dtype in (torch.float32, torch.bfloat16)
             and x.device.type == "cpu"
-            and x.shape[0] <= cpu_gemv.max_rows(x.dtype)
             and not torch.is_grad_enabled()
         ):
-            return torch.ops.specdec_cpu.gemv(x, self.weight, self.bias)
+            rows = x.shape[0]
+            if self.packed is not None and not torch.compiler.is_compiling():
+                onednn = self._onednn.get(rows)
+                if onednn is None:
+                    onednn = self._onednn[rows] = rows > cpu_gemv.max_rows(x.dtype) or cpu_gemv.onednn_rows(
+                        rows, self.out_features, self.in_features
+                    )
+                if onednn:
+                    return torch.ops.mkldnn._linear_pointwise(
+                        x.contiguous(), self.packed, self.bias, "none", [], ""
+                    )
+            if rows <= cpu_gemv.max_rows(x.dtype):
+                return torch.ops.specdec_cpu.gemv(x, self.weight, self.bias)
         return cpu_gemv.gemv(x, self.weight, self.bias, self.use_kernel)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=cpu_gemv"
+
+
+def use_onednn_packing(model: nn.Module) -> int:
+    """Give every bfloat16 :class:`GemvLinear` of ``model`` a oneDNN-packed copy of its weight, used where
+    :func:`kernels.cpu_gemv.onednn_rows` says oneDNN's GEMM is faster (verification and batched decode
+    rows, prefill chunks): the weights' memory doubles. Eager engines only (a ``torch.compile`` trace keeps
+    the kernel). Returns the number of layers given one (0 where :func:`kernels.cpu_gemv.onednn_supported`
+    says no, e.g. ``SPECDEC_CPU_ONEDNN=0``)."""
+    done = 0
+    for m in model.modules():
+        if (
+            isinstance(m, GemvLinear)
+            and m.packed is None
+            and m.direct
+            and cpu_gemv.onednn_supported(m.weight)
+        ):
+            m.packed = cpu_gemv.pack_onednn(m.weight)
+            done += 1
+    return done
 
 
 def gemv_supported(dtype: torch.dtype, device: torch.device) -> bool:

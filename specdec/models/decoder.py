@@ -518,7 +518,8 @@ def _stack_layer(layer: DecoderLayer) -> StackLayer | None:
         layer.o_proj.bias, layer.post_attention_layernorm.weight, layer.gate_up_proj.weight,
         layer.gate_up_proj.bias, layer.down_proj.weight, layer.down_proj.bias, layer.num_heads,
         layer.num_kv_heads, layer.head_dim, float(norms[0].eps), bool(norms[0].gemma), float(layer.scale),
-        int(kw.get("sliding_window", 0)), float(kw.get("softcap", 0.0)),
+        int(kw.get("sliding_window", 0)), float(kw.get("softcap", 0.0)), layer.qkv_proj.packed,
+        layer.o_proj.packed, layer.gate_up_proj.packed, layer.down_proj.packed,
     )  # fmt: skip
 
 

@@ -18,15 +18,16 @@ from kernels.testing import make_paged_batch, random_tree_mask
 pytestmark = pytest.mark.skipif(not cpu_decode_stack.available(), reason="the CPU kernels do not build here")
 
 HEAD_DIM = 32
+_ONEDNN = cpu_decode_stack.available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _model(dtype: torch.dtype, layers: int = 3, **overrides):
     from specdec.models.config import ModelArchConfig
-    from specdec.models.cpu_linear import use_gemv_linears
+    from specdec.models.cpu_linear import use_gemv_linears, use_onednn_packing
     from specdec.models.decoder import DecoderLM, use_cpu_layer_ops
 
     fields = dict(
-        model_type="llama", vocab_size=200, hidden_size=128, intermediate_size=192, num_layers=layers,
+        model_type="llama", vocab_size=200, hidden_size=128, intermediate_size=1024, num_layers=layers,
         num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, rms_norm_eps=1e-5, tie_word_embeddings=True,
         qkv_bias=False, o_bias=False, mlp_bias=False, max_position_embeddings=512,
         inv_freq=tuple((1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)).tolist()),
@@ -40,6 +41,9 @@ def _model(dtype: torch.dtype, layers: int = 3, **overrides):
             p.normal_(0, 0.08) if p.dim() == 2 else p.normal_(1.0, 0.1)
     model = model.to(dtype).eval()
     use_gemv_linears(model)
+    # bfloat16: the wide products of 5+ rows and every product of 12+ take oneDNN's packed GEMM, in the
+    # stack as in the linear layers (both checked below)
+    assert (use_onednn_packing(model) > 0) == (dtype == torch.bfloat16 and _ONEDNN)
     use_cpu_layer_ops(model)
     return model
 
@@ -228,3 +232,62 @@ def test_a_draft_heads_layer_takes_a_stack_of_one(dtype):
     assert torch.equal(got, want)
     for a, b in zip(caches[0], caches[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+# -- sampled distribution through the stack -------------------------------------------------------------
+# The distribution tests of tests/test_spec_distribution.py verify 2,500 requests per step, past the rows
+# the stack takes; here at most 5 requests run at once and a step holds at most 5 x (K + 1) = 15 tokens
+# (prefills chunked to fit), so every target forward goes through its stack, and the draft model's too.
+STACK_SEQS = 5
+STACK_CALLS = 8  # 20,000 sampled requests at T = 1
+
+
+@pytest.fixture(scope="module")
+def dist_setup(tmp_path_factory):
+    from tests.conftest import first_three_logits, save_target_and_draft
+    from tests.test_eagle3_distribution import greedy_chain
+    from tests.test_spec_distribution import PROMPT, V, exact_joint
+
+    root = tmp_path_factory.mktemp("stack_dist")
+    logits = first_three_logits(save_target_and_draft(root, V, 1, 2), PROMPT, V)
+    return {"root": root, "exact": {1.0: exact_joint(logits, 1.0)}, "greedy": greedy_chain(logits)}
+
+
+def _stack_llm(setup):
+    from specdec import LLM
+    from tests.test_spec_distribution import K
+
+    spec = {"method": "draft_model", "model": str(setup["root"] / "draft"), "num_speculative_tokens": K}
+    llm = LLM(
+        setup["root"] / "target", skip_tokenizer_init=True, seed=7, speculative_config=spec,
+        block_size=4, num_kv_blocks=64, max_model_len=32, max_num_seqs=STACK_SEQS,
+        max_num_batched_tokens=STACK_SEQS * (K + 1),  # every step within the stack's 16 float32 rows
+    )  # fmt: skip
+    target_calls = _count_stack_calls(llm.engine.model)
+    draft_calls = _count_stack_calls(llm.engine.drafter.model)
+    return llm, target_calls, draft_calls
+
+
+@pytest.mark.usefixtures("fast_cpu_settings")
+def test_sampled_distribution_through_the_stack(dist_setup):
+    """Speculative sampling (a draft model, chains of 2) with every decode and verification step in the
+    C++ stacks: the first three tokens match the exact joint (chi-square, alpha = 1e-3), and accepting
+    every draft fails the same test (5,000 requests; p below alpha / 1000)."""
+    from tests.stats import ALPHA, assert_differs
+    from tests.test_rejection_sampler import AcceptEverything
+    from tests.test_spec_distribution import check_all, sample_counts
+
+    llm, target_calls, draft_calls = _stack_llm(dist_setup)
+    counts = sample_counts(
+        llm, STACK_CALLS, seed_base=31 * 10**6, temperatures=(1.0,), greedy_chain=dist_setup["greedy"]
+    )
+    check_all(dist_setup, counts, "draft_model through the stack")
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and stats.accepted_per_position[1] > 0
+    assert target_calls[0] == llm.engine.num_steps  # every target forward (prefill chunks included)
+    assert draft_calls[0] > 0  # the draft model's steps too
+    control, _, _ = _stack_llm(dist_setup)
+    control.engine.verifier = AcceptEverything()
+    counts = sample_counts(control, 2, seed_base=32 * 10**6, temperatures=(1.0,))
+    res = assert_differs(dist_setup["exact"][1.0], counts[1.0], label="control: stack, every draft accepted")
+    assert res.pvalue < ALPHA * 1e-3

@@ -150,3 +150,35 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     old = time.time() - STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     assert clear_stale_lock("specdec_lock_test") and not lock.exists()
+
+
+@needs_kernel
+def test_onednn_rule_and_packed_linear_layers():
+    """The rows rule (C++, shared with the layer stack): the kernel at 1-4 rows, oneDNN's packed GEMM from 12
+    rows and from 5 on wide matrices; a bfloat16 GemvLinear with a packed copy takes the path the rule
+    names, within one bfloat16 rounding of F.linear in float32, with and without bias, and beyond the
+    kernel's rows (a prefill chunk); float32 layers get no packed copy."""
+    from specdec.models.cpu_linear import GemvLinear, use_onednn_packing
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bfloat16 path on this CPU")
+    rule = cpu_gemv.onednn_rows
+    assert not any(rule(m, 4096, 4096) for m in range(1, 5))
+    assert rule(5, 2048, 64) and rule(5, 64, 1024) and not rule(11, 960, 576) and rule(12, 960, 576)
+    g = torch.Generator().manual_seed(0)
+    for bias in (False, True):
+        lin = torch.nn.Linear(1024, 2048, bias=bias).bfloat16()
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(2048, 1024, generator=g) * 0.03)
+        model = torch.nn.Sequential(GemvLinear(lin))
+        assert use_onednn_packing(model) == 1 and model[0].packed is not None
+        for m in (1, 4, 5, 12, 40):
+            x = torch.randn(m, 1024, generator=g).bfloat16()
+            with torch.inference_mode():
+                got = model[0](x)
+            assert model[0]._onednn[m] == (m > cpu_gemv.max_rows(torch.bfloat16) or rule(m, 2048, 1024))
+            want = torch.nn.functional.linear(
+                x.float(), lin.weight.float(), None if not bias else lin.bias.float()
+            )
+            torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2e-3)
+    assert use_onednn_packing(torch.nn.Sequential(GemvLinear(torch.nn.Linear(8, 8)))) == 0
