@@ -1,22 +1,7 @@
 // Python bindings of the CPU kernels (one extension module, built by kernels/cpu_ext.py).
 #include <torch/extension.h>
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
-
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
-bool has_bf16_dot();
-bool onednn_rows(int64_t M, int64_t N, int64_t K);
-bool set_bf16_dot(bool enabled);
-void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
-                           torch::Tensor q_len, torch::Tensor seq_len, torch::Tensor mask_offset,
-                           torch::Tensor masks, torch::Tensor out, double scale, int64_t window,
-                           double softcap);
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool gemma);
-torch::Tensor rope(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
-void bind_decode_stack(pybind11::module& m);  // kernels/csrc/cpu_decode_stack.cpp
 
 // The GEMV kernel as a dispatcher operator, specdec_cpu::gemv: a linear layer calls it ~120 times per
 // decode step, and through the dispatcher a call costs a few microseconds where a Python custom op costs

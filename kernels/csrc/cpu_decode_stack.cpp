@@ -16,19 +16,7 @@
 
 #include <vector>
 
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
-bool onednn_rows(int64_t M, int64_t N, int64_t K);
-torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias);
-void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,
-                           torch::Tensor q_len, torch::Tensor seq_len, torch::Tensor mask_offset,
-                           torch::Tensor masks, torch::Tensor out, double scale, int64_t window,
-                           double softcap);
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool gemma);
-torch::Tensor rope(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
+#include "cpu_kernels.h"
 
 namespace {
 
