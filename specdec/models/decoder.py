@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_decode_stack, cpu_gemv
 from kernels.cpu_decode_stack import DecodeStack, StackLayer
 from kernels.cpu_layer_ops import rms_norm_reference, rope_reference
 from specdec.attention.base import AttentionBackend, AttentionMetadata
@@ -469,8 +470,6 @@ def _run_stack(
     path, equal outputs) when the batch is all short queries on the CPU attention backend, in the stack's
     dtype, outside autograd and compilation, and the module still holds the weights the stack was built
     from (``held`` is ``now``, tensor by tensor); None where the per-layer path must run."""
-    from kernels import cpu_gemv
-
     short_queries = getattr(attention, "short_queries", None)
     k_cache = kv_caches[0][0]
     if (
@@ -526,28 +525,28 @@ def _stack_layer(layer: DecoderLayer) -> StackLayer | None:
 def _use_decode_stack(model: DecoderLM) -> bool:
     """Give ``model`` its :attr:`DecoderLM.decode_stack` when every layer fits and the stack builds here
     (``SPECDEC_CPU_DECODE_STACK=0`` keeps the per-layer path). Returns whether it did."""
-    from kernels import cpu_decode_stack
-
-    model.decode_stack, model._stack_weights = None, []
-    layers = [_stack_layer(layer) for layer in model.layers]
-    if not layers or any(lay is None for lay in layers) or any(model.local_rope_layers):
-        return False
-    if model.embed_tokens.weight.dtype != layers[0].qkv.dtype or not cpu_decode_stack.available():  # type: ignore[union-attr]
-        return False
-    model.decode_stack = DecodeStack(layers)  # type: ignore[arg-type]
-    model._stack_weights = _stack_weights(model)
-    return True
+    fits = (
+        not any(model.local_rope_layers)
+        and model.embed_tokens.weight.dtype == model.layers[0].qkv_proj.weight.dtype
+    )
+    return _build_stack(model, list(model.layers), fits, _stack_weights(model))
 
 
 def _use_layer_stack(layer: DecoderLayer) -> bool:
     """Give a layer that runs on its own (an EAGLE head's) a one-layer :attr:`DecoderLayer.decode_stack`
     when it fits and the stack builds here. Returns whether it did."""
-    from kernels import cpu_decode_stack
+    return _build_stack(layer, [layer], True, _layer_weights(layer))
 
-    layer.decode_stack, layer._stack_weights = None, []
-    spec = _stack_layer(layer)
-    if spec is None or not cpu_decode_stack.available():
+
+def _build_stack(
+    owner: DecoderLM | DecoderLayer, layers: list[DecoderLayer], fits: bool, weights: list[torch.Tensor]
+) -> bool:
+    """Set ``owner.decode_stack`` to a :class:`DecodeStack` of ``layers`` (and ``owner._stack_weights`` to
+    ``weights``, what it holds) when ``fits``, every layer does and the stack builds here; else None."""
+    owner.decode_stack, owner._stack_weights = None, []
+    specs = [_stack_layer(layer) for layer in layers]
+    if not fits or not specs or any(spec is None for spec in specs) or not cpu_decode_stack.available():
         return False
-    layer.decode_stack = DecodeStack([spec])
-    layer._stack_weights = _layer_weights(layer)
+    owner.decode_stack = DecodeStack(specs)  # type: ignore[arg-type]
+    owner._stack_weights = weights
     return True

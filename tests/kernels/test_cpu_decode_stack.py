@@ -107,7 +107,7 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(dtype, variant, shape):
         seqs, 4, 2, HEAD_DIM, block_size=4, dtype=dtype, new_token_masks=masks, write_new=False
     )
     features = (0, 2, 3)
-    caches_ref, caches_got = _caches(model, batch), None
+    caches_ref = _caches(model, batch)
     caches_got = [(k.clone(), v.clone()) for k, v in caches_ref]
     calls = _count_stack_calls(model)
     got, got_features = _run(model, batch, caches_got, features)
@@ -149,13 +149,25 @@ def test_batches_and_models_it_does_not_take_fall_back():
 
         model.layer_stack(ids, pos, _caches(model, decode), decode.metadata(), CpuAttention())
     assert calls == [0]
-    copied = copy.deepcopy(model)  # new weights: the stack built on the old ones is not used
-    want = _run(copied, decode, _caches(copied, decode))[0]
-    copied.decode_stack = None
-    assert torch.equal(want, _run(copied, decode, _caches(copied, decode))[0])
+    copied = copy.deepcopy(model)  # new weights: a copy gets no stack (it would run the original's)
+    assert copied.decode_stack is None and model.decode_stack is not None
+    _run(copied, decode, _caches(copied, decode))
     assert calls == [0]
     _run(model, decode, _caches(model, decode))
     assert calls == [1]
+    # a layer's linear swapped after the stack was built: the stack holds the old weight, so it steps aside
+    from specdec.models.cpu_linear import GemvLinear
+
+    old = model.layers[1].o_proj
+    fresh = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        fresh.weight.copy_(old.weight)
+    model.layers[1].o_proj = GemvLinear(fresh)
+    _run(model, decode, _caches(model, decode))
+    assert calls == [1]
+    model.layers[1].o_proj = old
+    _run(model, decode, _caches(model, decode))
+    assert calls == [2]
     for overrides in (dict(qk_norm=True), dict(post_norms=True), dict(hidden_act="gelu_pytorch_tanh")):
         assert _model(torch.float32, **overrides).decode_stack is None
 
