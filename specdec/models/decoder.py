@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -525,28 +525,29 @@ def _stack_layer(layer: DecoderLayer) -> StackLayer | None:
 def _use_decode_stack(model: DecoderLM) -> bool:
     """Give ``model`` its :attr:`DecoderLM.decode_stack` when every layer fits and the stack builds here
     (``SPECDEC_CPU_DECODE_STACK=0`` keeps the per-layer path). Returns whether it did."""
-    fits = (
-        not any(model.local_rope_layers)
-        and model.embed_tokens.weight.dtype == model.layers[0].qkv_proj.weight.dtype
-    )
-    return _build_stack(model, list(model.layers), fits, _stack_weights(model))
+    specs = [_stack_layer(layer) for layer in model.layers]
+    fits = bool(specs) and all(specs) and not any(model.local_rope_layers)
+    fits = fits and specs[0].qkv.dtype == model.embed_tokens.weight.dtype  # type: ignore[union-attr]
+    return _build_stack(model, specs if fits else None, lambda: _stack_weights(model))
 
 
 def _use_layer_stack(layer: DecoderLayer) -> bool:
     """Give a layer that runs on its own (an EAGLE head's) a one-layer :attr:`DecoderLayer.decode_stack`
     when it fits and the stack builds here. Returns whether it did."""
-    return _build_stack(layer, [layer], True, _layer_weights(layer))
+    spec = _stack_layer(layer)
+    return _build_stack(layer, None if spec is None else [spec], lambda: _layer_weights(layer))
 
 
 def _build_stack(
-    owner: DecoderLM | DecoderLayer, layers: list[DecoderLayer], fits: bool, weights: list[torch.Tensor]
+    owner: DecoderLM | DecoderLayer,
+    specs: list[StackLayer | None] | None,
+    weights: Callable[[], list[torch.Tensor]],
 ) -> bool:
-    """Set ``owner.decode_stack`` to a :class:`DecodeStack` of ``layers`` (and ``owner._stack_weights`` to
-    ``weights``, what it holds) when ``fits``, every layer does and the stack builds here; else None."""
+    """Set ``owner.decode_stack`` to a :class:`DecodeStack` of ``specs`` (None: the layers do not fit) and
+    ``owner._stack_weights`` to ``weights()``, what it holds, when the stack builds here; else None."""
     owner.decode_stack, owner._stack_weights = None, []
-    specs = [_stack_layer(layer) for layer in layers]
-    if not fits or not specs or any(spec is None for spec in specs) or not cpu_decode_stack.available():
+    if specs is None or not cpu_decode_stack.available():
         return False
     owner.decode_stack = DecodeStack(specs)  # type: ignore[arg-type]
-    owner._stack_weights = weights
+    owner._stack_weights = weights()
     return True
