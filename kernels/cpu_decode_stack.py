@@ -46,9 +46,9 @@ class StackLayer:
     ``[hidden, H D]``; ``gate_up`` ``[2 I, hidden]``; ``down`` ``[hidden, I]``; biases ``[out]`` or None;
     all contiguous, of one dtype (float32 or bfloat16). ``eps``, ``gemma``: the norms' (Gemma's form
     scales by ``1 + w``); ``scale``: the attention softmax scale; ``window``: sliding window in positions
-    (0: none); ``softcap``: attention score soft-cap (0: none). ``*_packed``: the linears' oneDNN-packed
-    weights (:func:`kernels.cpu_gemv.pack_onednn`) or None; a product takes oneDNN where
-    :func:`kernels.cpu_gemv.onednn_rows` says so and the layer has a packed weight, as the linear layers do.
+    (0: none); ``softcap``: attention score soft-cap (0: none). ``*_packed``: the linears' packed
+    weights (:func:`kernels.cpu_gemv.pack_weight`: AMX or oneDNN) or None; a product takes its packed weight
+    where :func:`kernels.cpu_gemv.packed_rows` says so and the layer has one, as the linear layers do.
     """
 
     input_norm: torch.Tensor

@@ -8,8 +8,9 @@ home directory shared between machines is safe. A build that fails logs one warn
 every kernel then falls back to its torch reference.
 
 ``SPECDEC_FORCE_REFERENCE=1`` turns every kernel off (the references run); each kernel module has its own
-switch too (``SPECDEC_CPU_GEMV=0``, ``SPECDEC_CPU_ATTENTION=0``), and ``SPECDEC_CPU_BF16_DOT=0`` keeps
-bfloat16 products on the AVX2 path where the CPU has AVX512_BF16.
+switch too (``SPECDEC_CPU_GEMV=0``, ``SPECDEC_CPU_ATTENTION=0``), ``SPECDEC_CPU_BF16_DOT=0`` keeps
+bfloat16 products on the AVX2 path where the CPU has AVX512_BF16, and ``SPECDEC_CPU_AMX=0`` keeps packed
+bfloat16 weights on oneDNN where it has AMX.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ _CSRC = Path(__file__).parent / "csrc"
 #: ``SPECDEC_CPU_BF16_DOT=0``: bfloat16 products take the AVX2 path even where the CPU has AVX512_BF16 (A/B
 #: measurements; see kernels.cpu_gemv.bf16_dot).
 BF16_DOT_ENV = "SPECDEC_CPU_BF16_DOT"
+
+#: ``SPECDEC_CPU_AMX=0``: packed bfloat16 weights take oneDNN's layout and GEMM even where the CPU has AMX
+#: (A/B measurements; see kernels.cpu_gemv.amx).
+AMX_ENV = "SPECDEC_CPU_AMX"
 
 #: A build lock older than this (seconds) was left by a killed build (a build takes 1-2 minutes here).
 STALE_LOCK_S = 600.0
@@ -93,6 +98,8 @@ def load_extension() -> Any | None:
         )
         if os.environ.get(BF16_DOT_ENV) == "0":
             module.set_bf16_dot(False)
+        if os.environ.get(AMX_ENV) == "0":
+            module.set_amx(False)
         return module
     except Exception as e:  # no compiler, no ninja, an unsupported CPU: the references serve
         logger.warning(

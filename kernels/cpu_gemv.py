@@ -54,14 +54,14 @@ BF16_DOT_ROWS = 32
 
 _bf16_dot_in_use: bool | None = None  # bf16_dot(), cached: max_rows() runs on every call
 
-#: ``SPECDEC_CPU_ONEDNN=0``: no oneDNN-packed copies of bfloat16 weights (every few-row product on the kernel,
+#: ``SPECDEC_CPU_ONEDNN=0``: no packed copies of bfloat16 weights (every few-row product on the kernel,
 #: prefill chunks through ``F.linear`` on the dense weight), and no second copy of the weights in memory.
 ONEDNN_ENV = "SPECDEC_CPU_ONEDNN"
 
 
-def onednn_supported(weight: torch.Tensor) -> bool:
-    """Whether a linear layer with ``weight`` ``[N, K]`` takes a oneDNN-packed copy (:func:`pack_onednn`):
-    bfloat16 on the CPU, oneDNN with a bfloat16 path, the kernels built (their rule, :func:`onednn_rows`,
+def packing_supported(weight: torch.Tensor) -> bool:
+    """Whether a linear layer with ``weight`` ``[N, K]`` takes a packed copy (:func:`pack_weight`):
+    bfloat16 on the CPU, oneDNN with a bfloat16 path, the kernels built (their rule, :func:`packed_rows`,
     picks the path per call) and not switched off (``SPECDEC_CPU_ONEDNN=0``)."""
     import os
 
@@ -76,24 +76,72 @@ def onednn_supported(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[N, K]`` (bfloat16) reordered into oneDNN's blocked layout
-    (``mkldnn::_reorder_linear_weight``, what inductor's weight freezing does): a second copy of the weight,
-    for ``mkldnn::_linear_pointwise``."""
+def amx() -> bool:
+    """Whether packed bfloat16 weights use the AMX kernel (``csrc/cpu_gemv_amx.h``): the kernels built for
+    a CPU with AMX-BF16, Linux granted this process the tiles, and not switched off
+    (``SPECDEC_CPU_AMX=0``, or ``require_extension().set_amx(False)``)."""
+    return available() and bool(require_extension().has_amx())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A second copy of ``weight`` ``[N, K]`` (bfloat16) for :func:`linear_packed`: in the AMX kernel's tile
+    order (:func:`pack_amx_reference`) where :func:`amx`, else in oneDNN's blocked layout
+    (``mkldnn::_reorder_linear_weight``, what inductor's weight freezing does)."""
+    if amx():
+        return require_extension().pack_amx(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def pack_amx_reference(weight: torch.Tensor) -> torch.Tensor:
+    """The AMX kernel's packed layout in torch (the reference its C++ packing is tested against):
+    ``weight`` ``[N, K]`` zero-padded to ``[64 G, 32 KB]``, as ``[G, KB, 4, 16, 32]`` where element ``[g,
+    kb, j, r, 2 c + e]`` is ``weight[64 g + 16 j + c, 32 kb + 2 r + e]``: each ``[16, 32]`` tile holds 16
+    pairs of inputs (rows) for 16 outputs (interleaved pairs), the B operand of TDPBF16PS (Intel AMX)."""
+    n, k = weight.shape
+    g, kb = -(-n // 64), -(-k // 32)
+    w = F.pad(weight, (0, kb * 32 - k, 0, g * 64 - n))
+    # [g, j, c, kb, r, e] -> [g, kb, j, r, c, e]
+    return w.view(g, 4, 16, kb, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(g, kb, 4, 16, 32).contiguous()
 
 
 def onednn_rows(rows: int, out_features: int, in_features: int) -> bool:
     """Whether a bfloat16 product of ``rows`` rows with an ``[out_features, in_features]`` weight runs
     faster through oneDNN's packed GEMM than through the kernel: 12 rows and more, or 5 and more for wide
     matrices (``out_features >= 2048`` or ``in_features >= 1024``); measured on a 2-core AMD EPYC with
-    AVX512_BF16, SmolLM2 shapes, at 16 rows 88-119 G multiply-adds/s against the kernel's 52-71. The rule
-    is the C++ one (``csrc/cpu_gemv.cpp``), shared with :mod:`kernels.cpu_decode_stack`.
+    AVX512_BF16, SmolLM2 shapes, at 16 rows 88-119 G multiply-adds/s against the kernel's 52-71.
 
     Raises:
         RuntimeError: the kernels are not built here.
     """
     return bool(require_extension().onednn_rows(rows, out_features, in_features))
+
+
+def packed_rows(rows: int, out_features: int, in_features: int) -> bool:
+    """Whether a bfloat16 product of ``rows`` rows takes a layer's packed weight (:func:`linear_packed`)
+    rather than the kernel: with AMX (:func:`amx`) every product of 2 rows and more (the tiles stream the
+    weights as fast at 2-16 rows as the kernel at one: on a 2-core Intel Xeon with AMX, 3072 x 576 at
+    130-146 µs for 1-16 rows, where the kernel took 140 at one row and 221 at five), else
+    :func:`onednn_rows`. The C++ rule (``csrc/cpu_gemv.cpp``), shared with :mod:`kernels.cpu_decode_stack`.
+
+    Raises:
+        RuntimeError: the kernels are not built here.
+    """
+    return bool(require_extension().packed_rows(rows, out_features, in_features))
+
+
+def linear_packed(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x`` ``[M, K]`` @ ``weight^T`` (+ ``bias``) -> ``[M, N]`` on ``packed = pack_weight(weight)``
+    (``torch.ops.specdec_cpu.linear_packed``): the AMX kernel for a tile-packed weight, oneDNN's GEMM for a
+    oneDNN-packed one; ``weight`` only gives the shape. bfloat16; equals :func:`gemv_reference` within one
+    bfloat16 rounding.
+
+    Raises:
+        RuntimeError: shapes that do not match, or the kernels are not built here.
+    """
+    require_extension()
+    return torch.ops.specdec_cpu.linear_packed(x, weight, packed, bias)
 
 
 def max_rows(dtype: torch.dtype) -> int:
@@ -153,10 +201,18 @@ def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 #: registers its CPU kernel when it loads.
 _LIB = torch.library.Library("specdec_cpu", "DEF")
 _LIB.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define("linear_packed(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor")
 
 
 @torch.library.register_fake("specdec_cpu::gemv", lib=_LIB)
 def _cpu_gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("specdec_cpu::linear_packed", lib=_LIB)
+def _linear_packed_fake(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

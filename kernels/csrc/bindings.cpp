@@ -11,14 +11,25 @@ torch::Tensor gemv_op(const torch::Tensor& x, const torch::Tensor& w, const std:
   return gemv(x, w, bias.has_value() ? *bias : torch::Tensor());
 }
 
+// A linear layer's product on its packed weight (AMX or oneDNN), specdec_cpu::linear_packed, for the same
+// reason; schema "linear_packed(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor".
+torch::Tensor linear_packed_op(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
+                               const std::optional<torch::Tensor>& bias) {
+  return linear_packed(x, w, packed, bias.has_value() ? *bias : torch::Tensor());
+}
+
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("gemv", &gemv_op);
+  m.impl("linear_packed", &linear_packed_op);
   // The layer's small operations (kernels/csrc/cpu_layer_ops.cpp; schemas and fakes in
   // kernels/cpu_layer_ops.py), dispatcher operators for the same reason.
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
   m.impl("silu_mul", &silu_mul);
 }
+
+// A oneDNN-packed weight is an MkldnnCPU tensor, which sends the call to that key.
+TORCH_LIBRARY_IMPL(specdec_cpu, MkldnnCPU, m) { m.impl("linear_packed", &linear_packed_op); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x @ w^T + bias for a few rows (kernels/csrc/cpu_gemv.cpp)");
@@ -28,6 +39,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot,
         "whether bfloat16 products use AVX-512 BF16 dot products (kernels/csrc/cpu_gemv_bf16dp.h)");
   m.def("set_bf16_dot", &set_bf16_dot, "use (true) or skip (false) the AVX-512 BF16 kernel; returns has_bf16_dot()");
+  m.def("has_amx", &has_amx, "whether packed bfloat16 products use AMX tiles (kernels/csrc/cpu_gemv_amx.h)");
+  m.def("set_amx", &set_amx, "use (true) or skip (false) AMX for packed weights; returns has_amx()");
+  m.def("pack_amx", &pack_amx, "a bfloat16 weight [N, K] in the AMX kernel's tile order (kernels/csrc/cpu_gemv_amx.h)");
+  m.def("packed_rows", &packed_rows,
+        "whether an [M, K] x [N, K]^T bfloat16 product takes the packed weight (kernels/csrc/cpu_gemv.cpp)");
   m.def("onednn_rows", &onednn_rows,
         "whether an [M, K] x [N, K]^T bfloat16 product takes oneDNN's packed GEMM (kernels/csrc/cpu_gemv.cpp)");
   m.def("has_avx2", &specdec_cpu::has_avx2, "whether the kernels were compiled with AVX2 + FMA");

@@ -10,9 +10,12 @@
 // visible new tokens - 1); keys before the first query's window are not read. Soft-capping (softcap > 0,
 // Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax.
 //
-// One task per (request, KV head), at::parallel_for over them: the task's G * q_len query rows (G query
-// heads per KV head, grouped-query attention) are scored against each key as it is read, so K and V are
-// read once per KV head. Scores, softmax and the weighted sum of values are float32; float32 and bfloat16
+// One task per (request, KV head, chunk of the request's queries), at::parallel_for over them: the task's
+// G * rows query rows (G query heads per KV head, grouped-query attention) are scored against each key as
+// it is read, each key and value widened to float32 once for all of them. A request's queries are split
+// into chunks only where the batch has fewer (request, KV head) pairs than 4 per thread (a 16-node tree
+// of SmolLM2, 3 KV heads, on 2 threads: 3 chunks, 9 tasks instead of 3), so the threads share the work;
+// rows are independent, so the outputs do not depend on the split. Scores, softmax and the weighted sum of values are float32; float32 and bfloat16
 // caches and queries. Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
 // tests/kernels/test_cpu_attention.py compares them.
 #include <ATen/Parallel.h>
@@ -32,20 +35,28 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
             const int64_t* mask_offset, const uint8_t* masks, T* out, int64_t m, int64_t H, int64_t KVH,
             int64_t D, int64_t block_size, float scale, int64_t window, float softcap) {
   const int64_t G = H / KVH;
-  at::parallel_for(0, m * KVH, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> q, scores, acc;
+  int64_t max_q = 1;
+  for (int64_t i = 0; i < m; ++i) max_q = std::max(max_q, q_len[i]);
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t chunks = m * KVH >= want ? 1 : std::min(max_q, (want + m * KVH - 1) / (m * KVH));
+  at::parallel_for(0, m * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> q, scores, acc, kv(D);
     std::vector<int64_t> pos;  // positions of the request's new tokens
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t i = task / KVH, g = task % KVH;
-      const int64_t ql = q_len[i], L = seq_len[i], ctx = L - ql, R = ql * G;
+      const int64_t i = task / (KVH * chunks), g = task / chunks % KVH, chunk = task % chunks;
+      const int64_t ql = q_len[i], L = seq_len[i], ctx = L - ql;
+      // This task's queries r0 .. r1 of the request (chunks of near-equal size; empty past q_len).
+      const int64_t per = (ql + chunks - 1) / chunks, r0 = std::min(ql, chunk * per), r1 = std::min(ql, r0 + per);
+      if (r0 >= r1) continue;
+      const int64_t R = (r1 - r0) * G;
       const int64_t* blocks = block_table + reqs[i] * bt_stride;
       const uint8_t* mask = mask_offset[i] >= 0 ? masks + mask_offset[i] : nullptr;
-      // Query rows rr = r * G + h: query r of the request, head g * G + h, pre-scaled, as float32.
+      // Query rows rr = (r - r0) * G + h: query r of the request, head g * G + h, pre-scaled, as float32.
       q.assign(R * D, 0.f);
-      for (int64_t r = 0; r < ql; ++r)
+      for (int64_t r = r0; r < r1; ++r)
         for (int64_t h = 0; h < G; ++h) {
           const T* src = query + ((q_start[i] + r) * H + g * G + h) * D;
-          for (int64_t d = 0; d < D; ++d) q[(r * G + h) * D + d] = to_float(src[d]) * scale;
+          for (int64_t d = 0; d < D; ++d) q[((r - r0) * G + h) * D + d] = to_float(src[d]) * scale;
         }
       pos.resize(ql);
       int64_t first_key = 0;
@@ -58,22 +69,23 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
             for (int64_t c = 0; c < ql; ++c) depth += mask[r * ql + c] ? 1 : 0;
           }
           pos[r] = ctx + depth;
-          min_pos = std::min(min_pos, pos[r]);
+          if (r >= r0 && r < r1) min_pos = std::min(min_pos, pos[r]);
         }
         first_key = std::max<int64_t>(0, min_pos - window + 1);
       }
       scores.assign(R * L, -std::numeric_limits<float>::infinity());
       for (int64_t j = first_key; j < L; ++j) {
         const T* k = k_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+        for (int64_t d = 0; d < D; ++d) kv[d] = to_float(k[d]);  // exact: the same sums as on k itself
         const int64_t nj = j - ctx;  // index among the new keys, negative for context
         const int64_t key_pos = (window > 0 && nj >= 0) ? pos[nj] : j;
-        for (int64_t r = 0; r < ql; ++r) {
+        for (int64_t r = r0; r < r1; ++r) {
           if (nj >= 0 && (mask ? !mask[r * ql + nj] : nj > r)) continue;
           if (window > 0 && pos[r] - key_pos >= window) continue;
           for (int64_t h = 0; h < G; ++h) {
-            float s = dot(k, &q[(r * G + h) * D], D);
+            float s = dot(kv.data(), &q[((r - r0) * G + h) * D], D);
             if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
-            scores[(r * G + h) * L + j] = s;
+            scores[((r - r0) * G + h) * L + j] = s;
           }
         }
       }
@@ -81,15 +93,16 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
       acc.assign(R * D, 0.f);
       for (int64_t j = first_key; j < L; ++j) {
         const T* v = v_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+        for (int64_t d = 0; d < D; ++d) kv[d] = to_float(v[d]);
         for (int64_t rr = 0; rr < R; ++rr) {
           const float p = scores[rr * L + j];
-          if (p != 0.f) axpy(p, v, &acc[rr * D], D);
+          if (p != 0.f) axpy(p, kv.data(), &acc[rr * D], D);
         }
       }
-      for (int64_t r = 0; r < ql; ++r)
+      for (int64_t r = r0; r < r1; ++r)
         for (int64_t h = 0; h < G; ++h) {
           T* dst = out + ((q_start[i] + r) * H + g * G + h) * D;
-          for (int64_t d = 0; d < D; ++d) from_float(acc[(r * G + h) * D + d], dst + d);
+          for (int64_t d = 0; d < D; ++d) from_float(acc[((r - r0) * G + h) * D + d], dst + d);
         }
     }
   });

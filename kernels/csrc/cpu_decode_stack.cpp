@@ -20,16 +20,16 @@
 
 namespace {
 
-// A linear layer's product as GemvLinear computes it: oneDNN on its packed weight where onednn_rows says
-// so and the layer has one (bfloat16), else the GEMV kernel.
+// A linear layer's product as GemvLinear computes it: its packed weight (AMX or oneDNN) where packed_rows
+// says so and the layer has one (bfloat16), else the GEMV kernel.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
                      const torch::Tensor& packed) {
-  if (packed.numel() && onednn_rows(x.size(0), w.size(0), w.size(1))) return linear_packed(x, packed, bias);
+  if (packed.numel() && packed_rows(x.size(0), w.size(0), w.size(1))) return linear_packed(x, w, packed, bias);
   return gemv(x, w, bias);
 }
 
-// One layer's weights (shared with the model's modules, not copied), their oneDNN-packed copies (empty:
-// none) and shape. Empty biases: none.
+// One layer's weights (shared with the model's modules, not copied), their packed copies (AMX or oneDNN;
+// empty: none) and shape. Empty biases: none.
 struct Layer {
   torch::Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
   torch::Tensor qkv_packed, o_packed, gate_up_packed, down_packed;

@@ -14,6 +14,7 @@
 #include <vector>
 #include "cpu_simd.h"
 #include "cpu_gemv_bf16dp.h"
+#include "cpu_gemv_amx.h"
 
 namespace {
 
@@ -184,17 +185,86 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
   return y;
 }
 
+// Whether bfloat16 products of packed weights use AMX tiles (cpu_gemv_amx.h): built with them, the process
+// granted them, and not switched off. set_amx(false): oneDNN packs and multiplies instead (A/B
+// measurements, tests); returns whether AMX is in use after the call.
+static std::atomic<bool> use_amx{true};
+bool has_amx() {
+#ifdef SPECDEC_AMX
+  return use_amx.load() && specdec_cpu_amx::permitted();
+#else
+  return false;
+#endif
+}
+bool set_amx(bool enabled) {
+  use_amx.store(enabled);
+  return has_amx();
+}
+
 // Whether an [M, K] x [N, K]^T bfloat16 product is faster through oneDNN's GEMM on pre-packed weights than
 // through the kernel above (measured on a 2-core AMD EPYC with AVX512_BF16, SmolLM2 shapes, weights cold:
 // at 16 rows oneDNN 88-119 G multiply-adds/s against the kernel's 52-71; at 5 rows 48-61 against 39-49 for
-// the wide matrices, while the kernel stays ahead on the small ones and at 1-2 rows). One rule for the
-// linear layers (specdec/models/cpu_linear.py) and the layer stack (cpu_decode_stack.cpp), so both take
-// the same path for the same product.
+// the wide matrices, while the kernel stays ahead on the small ones and at 1-2 rows).
 bool onednn_rows(int64_t M, int64_t N, int64_t K) { return M >= 12 || (M >= 5 && (N >= 2048 || K >= 1024)); }
 
-// y [M, N] = x [M, K] @ W^T + bias through oneDNN (mkldnn::_linear_pointwise), packed: W reordered by
-// mkldnn::_reorder_linear_weight; bias [N] of x's dtype, or undefined / empty for none.
-torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+// Whether a product of M rows with a packed [N, K] weight takes linear_packed rather than the kernel: with
+// AMX every product of 2 rows and more (the tiles stream the weights as fast at 2-16 rows as the kernel at
+// one, cpu_gemv_amx.h), else onednn_rows. One rule for the linear layers (specdec/models/cpu_linear.py) and
+// the layer stack (cpu_decode_stack.cpp), so both take the same path for the same product.
+bool packed_rows(int64_t M, int64_t N, int64_t K) { return has_amx() ? M >= 2 : onednn_rows(M, N, K); }
+
+// w [N, K] bfloat16 packed for the AMX kernel: [G, KB, 4, 16, 32] bfloat16 (layout in cpu_gemv_amx.h).
+torch::Tensor pack_amx(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_amx: w must be [N, K] bfloat16");
+#ifdef SPECDEC_AMX
+  using namespace specdec_cpu_amx;
+  const auto wc = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t G = (N + kGroup * kTileN - 1) / (kGroup * kTileN), KB = (K + kTileK - 1) / kTileK;
+  auto p = torch::empty({G, KB, kGroup, kTileK / 2, 2 * kTileN}, w.options());
+  pack(reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), N, K,
+       reinterpret_cast<uint16_t*>(p.data_ptr<at::BFloat16>()));
+  return p;
+#else
+  TORCH_CHECK(false, "pack_amx: the kernels were built without AMX");
+#endif
+}
+
+namespace {
+
+#ifdef SPECDEC_AMX
+// x [M, K] @ w^T + bias through the AMX kernel, packed = pack_amx(w): x copied into a zero-padded buffer
+// where K is not a multiple of 32 or (past 16 rows) M not a multiple of 16.
+torch::Tensor linear_amx(torch::Tensor x, const torch::Tensor& packed, int64_t N, int64_t K,
+                         const torch::Tensor& bias) {
+  using namespace specdec_cpu_amx;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear_packed: x must be bfloat16 with an AMX-packed weight");
+  TORCH_CHECK(packed.dim() == 5 && packed.size(0) * kGroup * kTileN >= N && packed.size(1) * kTileK == (K + kTileK - 1) / kTileK * kTileK,
+              "linear_packed: the packed weight does not match [N, K]");
+  const int64_t M = x.size(0), Kp = packed.size(1) * kTileK;
+  const int64_t Mp = M > 16 ? (M + 15) / 16 * 16 : M;
+  if (x.stride(1) != 1) x = x.contiguous();
+  if (Kp != K || Mp != M) {
+    auto padded = torch::zeros({Mp, Kp}, x.options());
+    padded.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+    x = padded;
+  }
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.defined() && bias.numel()) {
+    bf = bias.to(torch::kFloat32).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  linear(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M,
+         reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), N, K, bp,
+         reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  return y;
+}
+#endif
+
+// x @ W^T + bias through oneDNN (mkldnn::_linear_pointwise) on packed = mkldnn::_reorder_linear_weight(W).
+torch::Tensor linear_onednn(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> stack;
   stack.reserve(6);
@@ -207,4 +277,22 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed,
   stack.emplace_back(std::string(""));
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ w^T + bias on w's packed copy: packed by pack_amx ([G, KB, 4, 16, 32]) through the
+// AMX kernel, else by mkldnn::_reorder_linear_weight through oneDNN. w [N, K] gives the shape (its values
+// are not read); bias [N] of x's dtype, or undefined / empty for none.
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
+                            const torch::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_packed: x [M, K], w [N, K]");
+  if (packed.dim() == 5) {
+#ifdef SPECDEC_AMX
+    return linear_amx(x, packed, w.size(0), w.size(1), bias);
+#else
+    TORCH_CHECK(false, "linear_packed: an AMX-packed weight, but the kernels were built without AMX");
+#endif
+  }
+  return linear_onednn(x, packed, bias);
 }

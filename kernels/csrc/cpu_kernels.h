@@ -7,8 +7,13 @@
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 bool has_bf16_dot();
 bool set_bf16_dot(bool enabled);
+bool has_amx();
+bool set_amx(bool enabled);
 bool onednn_rows(int64_t M, int64_t N, int64_t K);
-torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias);
+bool packed_rows(int64_t M, int64_t N, int64_t K);
+torch::Tensor pack_amx(const torch::Tensor& w);
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
+                            const torch::Tensor& bias);
 // cpu_attention.cpp
 void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,

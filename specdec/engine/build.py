@@ -20,7 +20,7 @@ from specdec.drafters.registry import build_drafter, get_drafter
 from specdec.kv_cache.manager import KVCacheManager, cdiv
 from specdec.model_runner import ModelRunner
 from specdec.models.config import ModelArchConfig
-from specdec.models.cpu_linear import use_gemv_linears, use_onednn_packing
+from specdec.models.cpu_linear import use_gemv_linears, use_packed_weights
 from specdec.models.decoder import DecoderLM, use_cpu_layer_ops
 from specdec.models.loader import load_model
 from specdec.models.packed_linear import pack_linears
@@ -114,8 +114,8 @@ def build_engine_parts(
     for m in (model, *drafter_modules(drafter)):
         if use_gemv_linears(m, memo) == 0 and compilation is None:
             pack_linears(m, memo)
-        elif compilation is None:  # verification / batched rows and prefill chunks through oneDNN
-            use_onednn_packing(m)
+        elif compilation is None:  # verification / batched rows, prefill chunks: packed (AMX or oneDNN)
+            use_packed_weights(m)
         use_cpu_layer_ops(m)  # norms, RoPE and SiLU products through the CPU kernels where they build
     runner = ModelRunner(
         model, num_blocks, bs, kv_cache_dtype=cache_config.kv_cache_dtype, compilation=compilation

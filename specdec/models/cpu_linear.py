@@ -39,9 +39,10 @@ class GemvLinear(nn.Module):
             and self.weight.dtype in (torch.float32, torch.bfloat16)
             and self.weight.is_contiguous()
         )
-        #: oneDNN-packed copy of a bfloat16 weight (:func:`use_onednn_packing`), None: the kernel only.
+        #: Packed copy of a bfloat16 weight (:func:`use_packed_weights`: AMX tile order or oneDNN's layout),
+        #: None: the kernel only.
         self.packed: torch.Tensor | None = None
-        self._onednn: dict[int, bool] = {}  # rows -> cpu_gemv.onednn_rows(rows, N, K)
+        self._use_packed: dict[int, bool] = {}  # rows -> cpu_gemv.packed_rows(rows, N, K)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -54,15 +55,13 @@ class GemvLinear(nn.Module):
         ):
             rows = x.shape[0]
             if self.packed is not None and not torch.compiler.is_compiling():
-                onednn = self._onednn.get(rows)
-                if onednn is None:
-                    onednn = self._onednn[rows] = rows > cpu_gemv.max_rows(x.dtype) or cpu_gemv.onednn_rows(
-                        rows, self.out_features, self.in_features
-                    )
-                if onednn:
-                    return torch.ops.mkldnn._linear_pointwise(
-                        x.contiguous(), self.packed, self.bias, "none", [], ""
-                    )
+                use_packed = self._use_packed.get(rows)
+                if use_packed is None:
+                    use_packed = self._use_packed[rows] = rows > cpu_gemv.max_rows(
+                        x.dtype
+                    ) or cpu_gemv.packed_rows(rows, self.out_features, self.in_features)
+                if use_packed:
+                    return torch.ops.specdec_cpu.linear_packed(x, self.weight, self.packed, self.bias)
             if rows <= cpu_gemv.max_rows(x.dtype):
                 return torch.ops.specdec_cpu.gemv(x, self.weight, self.bias)
         return cpu_gemv.gemv(x, self.weight, self.bias, self.use_kernel)
@@ -71,21 +70,22 @@ class GemvLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=cpu_gemv"
 
 
-def use_onednn_packing(model: nn.Module) -> int:
-    """Give every bfloat16 :class:`GemvLinear` of ``model`` a oneDNN-packed copy of its weight, used where
-    :func:`kernels.cpu_gemv.onednn_rows` says oneDNN's GEMM is faster (verification and batched decode
-    rows, prefill chunks): the weights' memory doubles. Eager engines only (a ``torch.compile`` trace keeps
-    the kernel). Returns the number of layers given one (0 where :func:`kernels.cpu_gemv.onednn_supported`
-    says no, e.g. ``SPECDEC_CPU_ONEDNN=0``)."""
+def use_packed_weights(model: nn.Module) -> int:
+    """Give every bfloat16 :class:`GemvLinear` of ``model`` a packed copy of its weight
+    (:func:`kernels.cpu_gemv.pack_weight`: the AMX kernel's tile order where the CPU has AMX, else oneDNN's
+    layout), used where :func:`kernels.cpu_gemv.packed_rows` says it is faster than the kernel
+    (verification and batched decode rows, prefill chunks): the weights' memory doubles. Eager engines only
+    (a ``torch.compile`` trace keeps the kernel). Returns the number of layers given one (0 where
+    :func:`kernels.cpu_gemv.packing_supported` says no, e.g. ``SPECDEC_CPU_ONEDNN=0``)."""
     done = 0
     for m in model.modules():
         if (
             isinstance(m, GemvLinear)
             and m.packed is None
             and m.direct
-            and cpu_gemv.onednn_supported(m.weight)
+            and cpu_gemv.packing_supported(m.weight)
         ):
-            m.packed = cpu_gemv.pack_onednn(m.weight)
+            m.packed = cpu_gemv.pack_weight(m.weight)
             done += 1
     return done
 

@@ -106,6 +106,27 @@ def test_float32_equals_reference(requests, group, block_size, head_dim, seed, w
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [None, 4])
+def test_query_chunks_do_not_change_outputs(window):
+    """With fewer (request, KV head) pairs than 4 per thread the kernel splits each request's queries into
+    chunks (a 16-node tree on 2 threads: 3 chunks per KV head); rows are independent, so one thread (fewer
+    chunks) and three (more) give the same bits, with a sliding window read from tree depths too."""
+    inputs = _batch([(16, 90, True)], 9, 3, 64, 16, torch.bfloat16, seed=3)
+    extra = {} if window is None else {"sliding_window": window}
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            outs.append(_run(CpuAttention(), *inputs, **extra))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    want = _run(ReferenceAttention(), *inputs, dtype=torch.float32, **extra)
+    torch.testing.assert_close(outs[0].float(), want, rtol=2**-7, atol=2e-3)
+
+
+@needs_kernel
 def test_bfloat16_within_one_rounding_of_float32():
     specs = [(1, 37, False), (5, 60, False), (6, 20, True), (40, 55, False), (1, 1, False), (16, 200, True)]
     inputs = _batch(specs, 9, 3, 64, 16, torch.bfloat16, seed=7)

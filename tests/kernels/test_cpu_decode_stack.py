@@ -23,7 +23,7 @@ _ONEDNN = cpu_decode_stack.available() and torch.ops.mkldnn._is_mkldnn_bf16_supp
 
 def _model(dtype: torch.dtype, layers: int = 3, **overrides):
     from specdec.models.config import ModelArchConfig
-    from specdec.models.cpu_linear import use_gemv_linears, use_onednn_packing
+    from specdec.models.cpu_linear import use_gemv_linears, use_packed_weights
     from specdec.models.decoder import DecoderLM, use_cpu_layer_ops
 
     fields = dict(
@@ -43,7 +43,7 @@ def _model(dtype: torch.dtype, layers: int = 3, **overrides):
     use_gemv_linears(model)
     # bfloat16: the wide products of 5+ rows and every product of 12+ take oneDNN's packed GEMM, in the
     # stack as in the linear layers (both checked below)
-    assert (use_onednn_packing(model) > 0) == (dtype == torch.bfloat16 and _ONEDNN)
+    assert (use_packed_weights(model) > 0) == (dtype == torch.bfloat16 and _ONEDNN)
     use_cpu_layer_ops(model)
     return model
 

@@ -152,33 +152,86 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     assert clear_stale_lock("specdec_lock_test") and not lock.exists()
 
 
-@needs_kernel
-def test_onednn_rule_and_packed_linear_layers():
-    """The rows rule (C++, shared with the layer stack): the kernel at 1-4 rows, oneDNN's packed GEMM from 12
-    rows and from 5 on wide matrices; a bfloat16 GemvLinear with a packed copy takes the path the rule
-    names, within one bfloat16 rounding of F.linear in float32, with and without bias, and beyond the
+@pytest.fixture(params=["onednn", "amx"])
+def packing(request):
+    """Packed weights of one kind: oneDNN's layout and GEMM, or the AMX kernel's (skipped where the CPU or
+    the build has no AMX); the process's choice is restored afterwards."""
+    from kernels.cpu_ext import require_extension
+
+    if not cpu_gemv.available():
+        pytest.skip("the CPU GEMV kernel does not build here")
+    ext = require_extension()
+    was = ext.has_amx()
+    if ext.set_amx(request.param == "amx") != (request.param == "amx"):
+        ext.set_amx(was)
+        pytest.skip("no AMX on this CPU (or the kernels were built without it)")
+    yield request.param
+    ext.set_amx(was)
+
+
+def test_packed_rule_and_packed_linear_layers(packing):
+    """The rows rule (C++, shared with the layer stack): oneDNN's packed GEMM from 12 rows and from 5 on
+    wide matrices, the AMX kernel from 2 rows; a bfloat16 GemvLinear with a packed copy takes the path the
+    rule names, within one bfloat16 rounding of F.linear in float32, with and without bias, and beyond the
     kernel's rows (a prefill chunk); float32 layers get no packed copy."""
-    from specdec.models.cpu_linear import GemvLinear, use_onednn_packing
+    from specdec.models.cpu_linear import GemvLinear, use_packed_weights
 
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no oneDNN bfloat16 path on this CPU")
-    rule = cpu_gemv.onednn_rows
-    assert not any(rule(m, 4096, 4096) for m in range(1, 5))
-    assert rule(5, 2048, 64) and rule(5, 64, 1024) and not rule(11, 960, 576) and rule(12, 960, 576)
+    onednn = cpu_gemv.onednn_rows
+    assert not any(onednn(m, 4096, 4096) for m in range(1, 5))
+    assert onednn(5, 2048, 64) and onednn(5, 64, 1024) and not onednn(11, 960, 576) and onednn(12, 960, 576)
+    rule = cpu_gemv.packed_rows
+    for m, n, k in [(1, 960, 576), (2, 576, 576), (5, 960, 576), (5, 2048, 64), (11, 960, 576), (12, 8, 8)]:
+        assert rule(m, n, k) == (m >= 2 if packing == "amx" else onednn(m, n, k))
+    assert cpu_gemv.amx() == (packing == "amx")
     g = torch.Generator().manual_seed(0)
     for bias in (False, True):
         lin = torch.nn.Linear(1024, 2048, bias=bias).bfloat16()
         with torch.no_grad():
             lin.weight.copy_(torch.randn(2048, 1024, generator=g) * 0.03)
         model = torch.nn.Sequential(GemvLinear(lin))
-        assert use_onednn_packing(model) == 1 and model[0].packed is not None
-        for m in (1, 4, 5, 12, 40):
+        assert use_packed_weights(model) == 1 and model[0].packed is not None
+        assert (model[0].packed.dim() == 5) == (packing == "amx")  # the AMX tile order [G, KB, 4, 16, 32]
+        for m in (1, 2, 4, 5, 12, 40):
             x = torch.randn(m, 1024, generator=g).bfloat16()
             with torch.inference_mode():
                 got = model[0](x)
-            assert model[0]._onednn[m] == (m > cpu_gemv.max_rows(torch.bfloat16) or rule(m, 2048, 1024))
+            assert model[0]._use_packed[m] == (m > cpu_gemv.max_rows(torch.bfloat16) or rule(m, 2048, 1024))
             want = torch.nn.functional.linear(
                 x.float(), lin.weight.float(), None if not bias else lin.bias.float()
             )
             torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2e-3)
-    assert use_onednn_packing(torch.nn.Sequential(GemvLinear(torch.nn.Linear(8, 8)))) == 0
+    assert use_packed_weights(torch.nn.Sequential(GemvLinear(torch.nn.Linear(8, 8)))) == 0
+
+
+@pytest.mark.parametrize(("n", "k"), [(5, 7), (70, 40), (130, 576), (64, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_kernel_equals_reference(packing, n, k, with_bias):
+    """The AMX kernel (``csrc/cpu_gemv_amx.h``): its C++ packing equals the torch reference of the tile
+    layout element for element (zero padding past N and K included), and its products equal F.linear's
+    float32 result within one bfloat16 rounding for 1-40 rows (one tile of rows, several, a ragged last
+    one), N and K off the tile sizes, with and without bias; at least 99 % of outputs are exactly the
+    float32 result rounded once (the rest straddle a rounding boundary: the sums' order differs)."""
+    from kernels.cpu_ext import require_extension
+
+    if packing != "amx":
+        pytest.skip("the AMX kernel only")
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    packed = cpu_gemv.pack_weight(w)
+    ref_packed = cpu_gemv.pack_amx_reference(w)
+    assert packed.shape == (-(-n // 64), -(-k // 32), 4, 16, 32) and torch.equal(packed, ref_packed)
+    assert torch.equal(require_extension().pack_amx(w), packed)
+    for m in (1, 2, 3, 5, 16, 17, 40):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        got = cpu_gemv.linear_packed(x, w, packed, b)
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
+        assert (got == want.bfloat16()).float().mean() >= 0.99
+    with pytest.raises(RuntimeError, match="linear_packed"):
+        cpu_gemv.linear_packed(torch.randn(2, k + 32).bfloat16(), torch.empty(n, k + 32).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="pack_amx"):
+        require_extension().pack_amx(w.float())

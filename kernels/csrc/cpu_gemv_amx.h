@@ -1,0 +1,147 @@
+// bfloat16 x bfloat16 matrix products on Intel AMX tiles (TDPBF16PS): y[M, N] = x[M, K] @ w[N, K]^T
+// (+ bias) against a weight packed once into tile order (pack), float32 accumulation, any M. Included by
+// cpu_gemv.cpp, which uses it for a linear layer's products of 2 rows and more (verification chains and
+// trees, batched decode rows, prefill chunks) where the compiler targets AMX-TILE + AMX-BF16 and the
+// kernel may use the tiles (Linux grants them on request, arch_prctl(ARCH_REQ_XCOMP_PERM)).
+//
+// Why: vdpbf16ps (cpu_gemv_bf16dp.h) issues one 32-pair dot product about every two cycles here, so past
+// one row its products, not the memory, bound a GEMV: on a 2-core Intel Xeon with AMX (SmolLM2-135M
+// shapes, weights cold) 3072 x 576 took 140 us at one row and 221 us at five. One TDPBF16PS multiplies a
+// 16-row input tile by a 16-output weight tile over 32 inputs (16 x 16 x 32 multiply-adds) in about 16
+// cycles, so the same weights stream at the memory's speed for every row count up to 16: 130-135 us at
+// 1-8 rows, 146 at 16 (26-27 GB/s; 49152 x 576: 2.0-2.1 ms at 1-8 rows). A standalone microbenchmark
+// measured it; oneDNN's AMX GEMM on its own packed weights took 170 us at every row count.
+//
+// Packed layout (pack, pack_reference in kernels/cpu_gemv.py): [G, KB, 4, 16, 32] bfloat16, G = ceil(N /
+// 64) groups of four 16-output tiles, KB = ceil(K / 32); element [g, kb, j, r, 2c + e] is w[64 g + 16 j +
+// c, 32 kb + 2 r + e] (zero past N or K): each 1 KB tile is the "VNNI" B operand of TDPBF16PS (16 rows of
+// input pairs, 16 outputs), and a group's tiles for one kb lie together, so a thread streams one
+// contiguous range. Products of bfloat16 values are exact in float32; TDPBF16PS adds them in float32 in
+// its own order (denormals flushed), so outputs agree with F.linear's float32 result within one bfloat16
+// rounding, like the other kernels. Source: Intel Architecture Instruction Set Extensions Programming
+// Reference, chapter 3 (AMX): TILELOADD, TDPBF16PS, LDTILECFG; Linux Documentation/arch/x86/xstate.rst.
+#pragma once
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#define SPECDEC_AMX 1
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace specdec_cpu_amx {
+
+constexpr int64_t kTileN = 16;  // outputs per weight tile
+constexpr int64_t kTileK = 32;  // inputs per tile (16 pairs)
+constexpr int64_t kGroup = 4;   // weight tiles per group: four float32 accumulator tiles
+constexpr int64_t kTileElems = kTileN * kTileK;
+
+// Whether this process may use the tiles: Linux hands out the AMX register state on request, once per
+// process (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); false on kernels or CPUs that refuse.
+inline bool permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// Tiles 0-3: accumulators [rows, 16] float32; 4: the input [rows, 32] bfloat16; 5-7: weight tiles [16
+// pairs, 16 outputs x 2].
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline void configure(int rows) {
+  TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette_id = 1;
+  for (int t = 0; t < 5; ++t) {
+    c.rows[t] = static_cast<uint8_t>(rows);
+    c.colsb[t] = 64;
+  }
+  for (int t = 5; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// w [N, K] (bfloat16 bits, row-major) into the packed layout above, p [G * KB * 4 * 512].
+inline void pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* p) {
+  const int64_t KB = (K + kTileK - 1) / kTileK, G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t kb = 0; kb < KB; ++kb)
+        for (int64_t j = 0; j < kGroup; ++j) {
+          uint16_t* t = p + ((g * KB + kb) * kGroup + j) * kTileElems;
+          for (int64_t r = 0; r < kTileK / 2; ++r)
+            for (int64_t c = 0; c < kTileN; ++c)
+              for (int64_t e = 0; e < 2; ++e) {
+                const int64_t n = (g * kGroup + j) * kTileN + c, k = kb * kTileK + 2 * r + e;
+                t[(r * kTileN + c) * 2 + e] = (n < N && k < K) ? w[n * K + k] : 0;
+              }
+        }
+  });
+}
+
+// y [M, N] (bfloat16 bits, row stride N) = x @ w^T + bias. x: rows of at least KB * 32 elements (zeros
+// past K), row stride xs elements, and a multiple of 16 rows when M > 16 (the caller pads); p packed by
+// pack. Threads take whole groups; each group's weights are read from memory once and, for M > 16, again
+// from the cache for each further block of 16 rows.
+inline void linear(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* p, int64_t N, int64_t K,
+                   const float* bias, uint16_t* y) {
+  const int64_t KB = (K + kTileK - 1) / kTileK, G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
+  const int rows = static_cast<int>(std::min<int64_t>(M, 16));
+  const int64_t blocks = (M + 15) / 16;
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    configure(rows);
+    alignas(64) float c[kGroup][16][kTileN];
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint16_t* pg = p + g * KB * kGroup * kTileElems;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint16_t* xb = x + b * 16 * xs;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          const uint16_t* t = pg + kb * kGroup * kTileElems;
+          _tile_loadd(4, xb + kb * kTileK, xs * 2);
+          _tile_loadd(5, t, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, t + kTileElems, 64);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(7, t + 2 * kTileElems, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, t + 3 * kTileElems, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        const int64_t valid_rows = std::min<int64_t>(16, M - b * 16);
+        for (int64_t j = 0; j < kGroup; ++j) {
+          const int64_t n0 = (g * kGroup + j) * kTileN;
+          if (n0 >= N) break;
+          const int64_t width = std::min<int64_t>(kTileN, N - n0);
+          const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
+          const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+          for (int64_t m = 0; m < valid_rows; ++m) {
+            // Round to nearest even (vcvtneps2bf16), as the other kernels round their float32 sums.
+            const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[j][m]), bv));
+            _mm256_mask_storeu_epi16(y + (b * 16 + m) * N + n0, mask, (__m256i)out);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace specdec_cpu_amx
+#endif
