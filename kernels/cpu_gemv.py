@@ -118,10 +118,13 @@ def onednn_rows(rows: int, out_features: int, in_features: int) -> bool:
 
 def packed_rows(rows: int, out_features: int, in_features: int) -> bool:
     """Whether a bfloat16 product of ``rows`` rows takes a layer's packed weight (:func:`linear_packed`)
-    rather than the kernel: with AMX (:func:`amx`) every product of 2 rows and more (the tiles stream the
+    rather than the kernel: with AMX (:func:`amx`) every product, one row included (the tiles stream the
     weights as fast at 2-16 rows as the kernel at one: on a 2-core Intel Xeon with AMX, 3072 x 576 at
-    130-146 µs for 1-16 rows, where the kernel took 140 at one row and 221 at five), else
-    :func:`onednn_rows`. The C++ rule (``csrc/cpu_gemv.cpp``), shared with :mod:`kernels.cpu_decode_stack`.
+    130-146 µs for 1-16 rows, where the kernel took 140 at one row and 221 at five; and a row's sums do not
+    depend on the other rows, so verification rows get the bits decode rows get: greedy speculative
+    decoding equals greedy plain decoding bit for bit in bfloat16, for ~5 % of plain decoding's speed),
+    else :func:`onednn_rows`. The C++ rule (``csrc/cpu_gemv.cpp``), shared with
+    :mod:`kernels.cpu_decode_stack`.
 
     Raises:
         RuntimeError: the kernels are not built here.

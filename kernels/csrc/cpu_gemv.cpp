@@ -208,10 +208,12 @@ bool set_amx(bool enabled) {
 bool onednn_rows(int64_t M, int64_t N, int64_t K) { return M >= 12 || (M >= 5 && (N >= 2048 || K >= 1024)); }
 
 // Whether a product of M rows with a packed [N, K] weight takes linear_packed rather than the kernel: with
-// AMX every product of 2 rows and more (the tiles stream the weights as fast at 2-16 rows as the kernel at
-// one, cpu_gemv_amx.h), else onednn_rows. One rule for the linear layers (specdec/models/cpu_linear.py) and
+// AMX every product, one row included (the tiles stream the weights as fast at 2-16 rows as the kernel at
+// one, cpu_gemv_amx.h, and each output row's sums do not depend on the other rows, so a row verified among
+// k + 1 gets the bits it gets decoded alone: greedy speculative decoding equals greedy plain decoding bit
+// for bit in bfloat16; the price, one row about 5 % slower than the kernel), else onednn_rows. One rule for the linear layers (specdec/models/cpu_linear.py) and
 // the layer stack (cpu_decode_stack.cpp), so both take the same path for the same product.
-bool packed_rows(int64_t M, int64_t N, int64_t K) { return has_amx() ? M >= 2 : onednn_rows(M, N, K); }
+bool packed_rows(int64_t M, int64_t N, int64_t K) { return has_amx() ? M >= 1 : onednn_rows(M, N, K); }
 
 // w [N, K] bfloat16 packed for the AMX kernel: [G, KB, 4, 16, 32] bfloat16 (layout in cpu_gemv_amx.h).
 torch::Tensor pack_amx(const torch::Tensor& w) {

@@ -171,9 +171,9 @@ def packing(request):
 
 def test_packed_rule_and_packed_linear_layers(packing):
     """The rows rule (C++, shared with the layer stack): oneDNN's packed GEMM from 12 rows and from 5 on
-    wide matrices, the AMX kernel from 2 rows; a bfloat16 GemvLinear with a packed copy takes the path the
-    rule names, within one bfloat16 rounding of F.linear in float32, with and without bias, and beyond the
-    kernel's rows (a prefill chunk); float32 layers get no packed copy."""
+    wide matrices, the AMX kernel for every row count; a bfloat16 GemvLinear with a packed copy takes the
+    path the rule names, within one bfloat16 rounding of F.linear in float32, with and without bias, and
+    beyond the kernel's rows (a prefill chunk); float32 layers get no packed copy."""
     from specdec.models.cpu_linear import GemvLinear, use_packed_weights
 
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -183,7 +183,7 @@ def test_packed_rule_and_packed_linear_layers(packing):
     assert onednn(5, 2048, 64) and onednn(5, 64, 1024) and not onednn(11, 960, 576) and onednn(12, 960, 576)
     rule = cpu_gemv.packed_rows
     for m, n, k in [(1, 960, 576), (2, 576, 576), (5, 960, 576), (5, 2048, 64), (11, 960, 576), (12, 8, 8)]:
-        assert rule(m, n, k) == (m >= 2 if packing == "amx" else onednn(m, n, k))
+        assert rule(m, n, k) == (True if packing == "amx" else onednn(m, n, k))
     assert cpu_gemv.amx() == (packing == "amx")
     g = torch.Generator().manual_seed(0)
     for bias in (False, True):
@@ -235,3 +235,20 @@ def test_amx_kernel_equals_reference(packing, n, k, with_bias):
         cpu_gemv.linear_packed(torch.randn(2, k + 32).bfloat16(), torch.empty(n, k + 32).bfloat16(), packed)
     with pytest.raises(RuntimeError, match="pack_amx"):
         require_extension().pack_amx(w.float())
+
+
+def test_amx_rows_are_batch_invariant(packing):
+    """Each output row of the AMX kernel is summed in an order that does not depend on the other rows: a
+    row multiplied among 1-40 rows equals the same row multiplied alone, bit for bit (so a verification
+    row gets a decode row's logits, and greedy speculative decoding equals greedy plain decoding in
+    bfloat16)."""
+    if packing != "amx":
+        pytest.skip("the AMX kernel only")
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(300, 576, generator=g) * 0.05).bfloat16()
+    b = torch.randn(300, generator=g).bfloat16()
+    packed = cpu_gemv.pack_weight(w)
+    x = torch.randn(40, 576, generator=g).bfloat16()
+    alone = torch.cat([cpu_gemv.linear_packed(x[i : i + 1], w, packed, b) for i in range(40)])
+    for m in (2, 5, 16, 17, 40):
+        assert torch.equal(cpu_gemv.linear_packed(x[:m], w, packed, b), alone[:m])
