@@ -19,6 +19,7 @@
 // caches and queries. Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
 // tests/kernels/test_cpu_attention.py compares them.
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -28,6 +29,24 @@
 namespace {
 
 using namespace specdec_cpu;
+
+#ifdef __AVX512F__
+// out[0 : 16 NV] = sum over keys j in [first, L) of p[j] * v[(j - first) * stride : ...], keys in order,
+// skipping p[j] == 0 (the same products added in the same order as axpy key by key).
+template <int NV>
+inline void weighted_values(const float* p, int64_t first, int64_t L, const float* v, float* out,
+                            int64_t stride = 16 * NV) {
+  __m512 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = _mm512_setzero_ps();
+  for (int64_t j = first; j < L; ++j) {
+    if (p[j] == 0.f) continue;
+    const __m512 pv = _mm512_set1_ps(p[j]);
+    const float* vj = v + (j - first) * stride;
+    for (int c = 0; c < NV; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 16 * c), a[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + 16 * c, a[c]);
+}
+#endif
 
 template <typename T>
 void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* block_table, int64_t bt_stride,
@@ -40,7 +59,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
   const int64_t want = 4 * at::get_num_threads();
   const int64_t chunks = m * KVH >= want ? 1 : std::min(max_q, (want + m * KVH - 1) / (m * KVH));
   at::parallel_for(0, m * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> q, scores, acc, kv(D);
+    std::vector<float> q, scores, acc, kt, vf, kv(D);
     std::vector<int64_t> pos;  // positions of the request's new tokens
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / (KVH * chunks), g = task / chunks % KVH, chunk = task % chunks;
@@ -52,7 +71,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
       const int64_t* blocks = block_table + reqs[i] * bt_stride;
       const uint8_t* mask = mask_offset[i] >= 0 ? masks + mask_offset[i] : nullptr;
       // Query rows rr = (r - r0) * G + h: query r of the request, head g * G + h, pre-scaled, as float32.
-      q.assign(R * D, 0.f);
+      q.assign((R + 3) / 4 * 4 * D, 0.f);  // whole blocks of four rows for the score product
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t h = 0; h < G; ++h) {
           const T* src = query + ((q_start[i] + r) * H + g * G + h) * D;
@@ -74,29 +93,99 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
         first_key = std::max<int64_t>(0, min_pos - window + 1);
       }
       scores.assign(R * L, -std::numeric_limits<float>::infinity());
+      // Whether query r sees key j (causal or tree mask among the new keys, sliding window).
+      auto visible = [&](int64_t r, int64_t j) {
+        const int64_t nj = j - ctx;  // index among the new keys, negative for context
+        if (nj >= 0 && (mask ? !mask[r * ql + nj] : nj > r)) return false;
+        const int64_t key_pos = (window > 0 && nj >= 0) ? pos[nj] : j;
+        return !(window > 0 && pos[r] - key_pos >= window);
+      };
+#ifdef __AVX512F__
+      // Scores as a small matrix product: the task's keys widened once into kt [D, nk] (transposed, nk a
+      // multiple of 16, zero-padded), then 16 keys x up to 4 query rows per step, one float32 FMA chain
+      // per score over d = 0 .. D - 1 (a dot product per (query, key) spent most of its time in
+      // horizontal sums). A score's sum does not depend on the other rows or keys.
+      const int64_t nk = ((L - first_key) + 15) / 16 * 16;
+      kt.assign(D * nk, 0.f);
       for (int64_t j = first_key; j < L; ++j) {
         const T* k = k_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
-        for (int64_t d = 0; d < D; ++d) kv[d] = to_float(k[d]);  // exact: the same sums as on k itself
-        const int64_t nj = j - ctx;  // index among the new keys, negative for context
-        const int64_t key_pos = (window > 0 && nj >= 0) ? pos[nj] : j;
-        for (int64_t r = r0; r < r1; ++r) {
-          if (nj >= 0 && (mask ? !mask[r * ql + nj] : nj > r)) continue;
-          if (window > 0 && pos[r] - key_pos >= window) continue;
-          for (int64_t h = 0; h < G; ++h) {
-            float s = dot(kv.data(), &q[((r - r0) * G + h) * D], D);
-            if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
-            scores[((r - r0) * G + h) * L + j] = s;
+        for (int64_t d = 0; d < D; ++d) kt[d * nk + (j - first_key)] = to_float(k[d]);
+      }
+      alignas(64) float block[4][16];
+      for (int64_t jb = 0; jb < nk; jb += 16) {
+        for (int64_t rr0 = 0; rr0 < R; rr0 += 4) {
+          const int64_t nr = std::min<int64_t>(4, R - rr0);
+          // Four rows always (q holds zero rows past R), so the accumulators stay in registers.
+          const float* q0 = &q[rr0 * D];
+          __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t d = 0; d < D; ++d) {
+            const __m512 kd = _mm512_loadu_ps(&kt[d * nk + jb]);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), kd, a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d]), kd, a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d]), kd, a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d]), kd, a3);
+          }
+          _mm512_store_ps(block[0], a0);
+          _mm512_store_ps(block[1], a1);
+          _mm512_store_ps(block[2], a2);
+          _mm512_store_ps(block[3], a3);
+          for (int64_t i = 0; i < nr; ++i) {
+            const int64_t rr = rr0 + i, r = r0 + rr / G;
+            for (int64_t c = 0; c < 16; ++c) {
+              const int64_t j = first_key + jb + c;
+              if (j >= L || !visible(r, j)) continue;
+              float sc = block[i][c];
+              if (softcap > 0.f) sc = softcap * std::tanh(sc / softcap);
+              scores[rr * L + j] = sc;
+            }
           }
         }
       }
+#else
+      for (int64_t j = first_key; j < L; ++j) {
+        const T* k = k_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+        for (int64_t d = 0; d < D; ++d) kv[d] = to_float(k[d]);  // exact: the same sums as on k itself
+        for (int64_t r = r0; r < r1; ++r) {
+          if (!visible(r, j)) continue;
+          for (int64_t h = 0; h < G; ++h) {
+            float sc = dot(kv.data(), &q[((r - r0) * G + h) * D], D);
+            if (softcap > 0.f) sc = softcap * std::tanh(sc / softcap);
+            scores[((r - r0) * G + h) * L + j] = sc;
+          }
+        }
+      }
+#endif
       for (int64_t rr = 0; rr < R; ++rr) softmax_inplace(&scores[rr * L], L);
       acc.assign(R * D, 0.f);
-      for (int64_t j = first_key; j < L; ++j) {
-        const T* v = v_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
-        for (int64_t d = 0; d < D; ++d) kv[d] = to_float(v[d]);
+#ifdef __AVX512F__
+      if (D % 16 == 0) {
+        // Values widened once into vf [L - first_key, D]; each output row summed over the keys in
+        // registers (the same products added in the same order as the axpy loop below, key by key).
+        vf.resize((L - first_key) * D);
+        for (int64_t j = first_key; j < L; ++j) {
+          const T* v = v_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+          for (int64_t d = 0; d < D; ++d) vf[(j - first_key) * D + d] = to_float(v[d]);
+        }
         for (int64_t rr = 0; rr < R; ++rr) {
-          const float p = scores[rr * L + j];
-          if (p != 0.f) axpy(p, kv.data(), &acc[rr * D], D);
+          const float* prow = &scores[rr * L];
+          float* dst = &acc[rr * D];
+          switch (D / 16) {  // accumulators in registers: a compile-time count of them
+            case 4: weighted_values<4>(prow, first_key, L, vf.data(), dst); break;
+            case 8: weighted_values<8>(prow, first_key, L, vf.data(), dst); break;
+            default:
+              for (int64_t c = 0; c < D; c += 16) weighted_values<1>(prow, first_key, L, vf.data() + c, dst + c, D);
+          }
+        }
+      } else
+#endif
+      {
+        for (int64_t j = first_key; j < L; ++j) {
+          const T* v = v_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+          for (int64_t d = 0; d < D; ++d) kv[d] = to_float(v[d]);
+          for (int64_t rr = 0; rr < R; ++rr) {
+            const float p = scores[rr * L + j];
+            if (p != 0.f) axpy(p, kv.data(), &acc[rr * D], D);
+          }
         }
       }
       for (int64_t r = r0; r < r1; ++r)

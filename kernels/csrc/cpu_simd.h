@@ -75,7 +75,16 @@ inline void axpy(float alpha, const W* a, float* y, int64_t n) {
 // s[0:n] <- exp(s - max) / sum, in place (a softmax row; -inf entries become exactly 0).
 inline void softmax_inplace(float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  int64_t m = 0;
+#ifdef SPECDEC_AVX2
+  // The maximum does not depend on the order: eight lanes, then the tail.
+  __m256 vmax = _mm256_set1_ps(mx);
+  for (; m + 8 <= n; m += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + m));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float v : lanes) mx = std::max(mx, v);
+#endif
+  for (; m < n; ++m) mx = std::max(mx, s[m]);
   float sum = 0.f;
   int64_t j = 0;
 #ifdef SPECDEC_AVX2
