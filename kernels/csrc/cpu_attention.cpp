@@ -57,7 +57,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
   int64_t max_q = 1;
   for (int64_t i = 0; i < m; ++i) max_q = std::max(max_q, q_len[i]);
   const int64_t want = 4 * at::get_num_threads();
-  const int64_t chunks = m * KVH >= want ? 1 : std::min(max_q, (want + m * KVH - 1) / (m * KVH));
+  const int64_t chunks = m * KVH >= want || max_q < 8 ? 1 : std::min(max_q, (want + m * KVH - 1) / (m * KVH));
   at::parallel_for(0, m * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> q, scores, acc, kt, vf, kv(D);
     std::vector<int64_t> pos;  // positions of the request's new tokens

@@ -17,6 +17,8 @@
 
 #include <cmath>
 
+#include "cpu_simd.h"
+
 namespace {
 
 inline float f32(float v) { return v; }
@@ -84,7 +86,20 @@ void silu_mul_rows(const T* gu, int64_t stride, T* out, int64_t rows, int64_t I)
       const T* g = gu + r * stride;
       const T* u = g + I;
       T* o = out + r * I;
-      for (int64_t k = 0; k < I; ++k) {
+      int64_t k = 0;
+#ifdef SPECDEC_AVX2
+      // exp(-x) eight at a time (exp8: within about 1 ulp of std::exp), the rest as below.
+      alignas(32) float gx[8], ex[8];
+      for (; k + 8 <= I; k += 8) {
+        for (int i = 0; i < 8; ++i) gx[i] = f32(g[k + i]);
+        _mm256_store_ps(ex, specdec_cpu::exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_load_ps(gx))));
+        for (int i = 0; i < 8; ++i) {
+          const T act = static_cast<T>(gx[i] / (1.0f + ex[i]));
+          o[k + i] = static_cast<T>(f32(act) * f32(u[k + i]));
+        }
+      }
+#endif
+      for (; k < I; ++k) {
         const float x = f32(g[k]);
         const T act = static_cast<T>(x / (1.0f + std::exp(-x)));
         o[k] = static_cast<T>(f32(act) * f32(u[k]));

@@ -72,6 +72,29 @@ inline void axpy(float alpha, const W* a, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += alpha * to_float(a[i]);
 }
 
+#ifdef SPECDEC_AVX2
+// exp(x), eight lanes: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes' expf
+// constants, about 1 ulp); inputs below -87 (-inf among them) give 0, above 88.7 infinity.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#endif
+
 // s[0:n] <- exp(s - max) / sum, in place (a softmax row; -inf entries become exactly 0).
 inline void softmax_inplace(float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
@@ -88,27 +111,10 @@ inline void softmax_inplace(float* s, int64_t n) {
   float sum = 0.f;
   int64_t j = 0;
 #ifdef SPECDEC_AVX2
-  // exp by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes' expf constants,
-  // about 1 ulp); inputs below -87 (the masked -inf entries among them) give 0.
-  const __m256 vmx = _mm256_set1_ps(mx), lo = _mm256_set1_ps(-87.f);
+  const __m256 vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
   for (; j + 8 <= n; j += 8) {
-    __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), vmx);
-    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    y = _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    const __m256 y = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
     _mm256_storeu_ps(s + j, y);
     vsum = _mm256_add_ps(vsum, y);
   }
