@@ -12,8 +12,9 @@ warm-up; the median is reported with its ratio to the plain decode step:
   with its tree attention mask and depth positions, one logits row per node.
 
 The end-to-end row runs the engine: greedy plain decoding against n-gram speculation (``k`` drafts) on
-a prompt that already contains the continuation (the model's own greedy output, pasted after the
-question), so prompt lookup's drafts are always right: speedup ÷ τ is what a verified token costs
+a prompt that already contains the continuation (the model's own greedy answer, three times, then its
+start again: the model goes on repeating it), so prompt lookup's drafts are nearly always right (τ is
+reported): speedup ÷ τ is what a verified token costs
 against a decoded one (1.0 would be free verification).
 
     python -m experiments.bench_step dtype=bfloat16
@@ -131,9 +132,10 @@ def ngram_row(llm_plain: Any, llm_ngram: Any, cfg: BenchStepConfig) -> dict[str,
 
     question = chat_token_ids(llm_plain.tokenizer, [{"role": "user", "content": QUESTION}])
     params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
-    answer = llm_plain.generate([{"prompt_token_ids": question}], params)[0].outputs[0].token_ids
-    # The answer pasted into the prompt, then the question again: the greedy continuation is the answer.
-    prompt = {"prompt_token_ids": list(answer) + list(question)}
+    answer = list(llm_plain.generate([{"prompt_token_ids": question}], params)[0].outputs[0].token_ids)
+    # The answer three times, then its first 16 tokens: the model continues the repetition (pasting the
+    # answer once before the question again had the model leave it after 8 tokens with some kernels).
+    prompt = {"prompt_token_ids": answer * 3 + answer[:16]}
     out: dict[str, float] = {}
     for name, llm in (("plain", llm_plain), ("ngram", llm_ngram)):
         llm.generate([prompt], params)  # warm-up (and prefix caching of the prompt for both)
