@@ -15,6 +15,7 @@
 #include "cpu_simd.h"
 #include "cpu_gemv_bf16dp.h"
 #include "cpu_gemv_amx.h"
+#include "cpu_gemv_f32x16.h"
 
 namespace {
 
@@ -73,7 +74,7 @@ inline void dot_rows(const W* row, const float* x, int64_t K, float* out) {
     __m256 w0, w1;
     // bfloat16: software prefetch 4 rows ahead (measured 15 -> 22 GB/s on the LM head here; float32
     // streams as fast without it).
-    if (permuted<W>()) _mm_prefetch(reinterpret_cast<const char*>(row + 4 * K + k), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + 4 * K + k), _MM_HINT_T0);
     load16(row + k, w0, w1);
     for (int j = 0; j < MC; ++j) {
       acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + j * K + k), acc0[j]);
@@ -175,6 +176,13 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
                              reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bp,
                              reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), x.size(0), w.size(0),
                              w.size(1));
+    return y;
+  }
+#endif
+#ifdef SPECDEC_F32X16
+  if (wf && xf) {  // float32 x float32: 16-lane AVX-512 (cpu_gemv_f32x16.h)
+    specdec_cpu_f32x16::gemv(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), bp, y.data_ptr<float>(),
+                             x.size(0), w.size(0), w.size(1));
     return y;
   }
 #endif
