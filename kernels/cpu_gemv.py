@@ -27,6 +27,14 @@ AVX512_BF16, SmolLM2 shapes: five rows 18-25 GB/s against 12-17 for the AVX2 pat
 against 4.5-6, one row unchanged (25-30, bound by memory). :func:`bf16_dot` reports it and switches it
 off and on (A/B measurements; the tests check both paths against the reference).
 
+float32 weights with float32 inputs on a CPU with AVX-512 take ``csrc/cpu_gemv_f32x16.h``: 16-lane FMAs,
+each weight row streamed once for up to 16 input rows (the AVX2 path takes 8 per pass).
+
+Packed weights (:func:`pack_weight`, :func:`linear_packed`, :func:`packed_rows`): an eager engine keeps a
+second copy of every bfloat16 weight, in the AMX kernel's tile order where the CPU has AMX-BF16
+(``csrc/cpu_gemv_amx.h``: every product, 1-16 rows at the memory's speed, each row's sums independent of
+the others), else in oneDNN's layout for its GEMM (wider products only).
+
 Accuracy: float32 accumulation in a different order than ``F.linear``: float32 outputs agree within
 1e-5 relative; bfloat16 outputs within one bfloat16 rounding of the float32 result.
 """

@@ -118,6 +118,19 @@ inline void softmax_inplace(float* s, int64_t n) {
     _mm256_storeu_ps(s + j, y);
     vsum = _mm256_add_ps(vsum, y);
   }
+  if (j < n) {
+    // The tail as one more vector, padded with -inf (exp 0): element j always takes exp8 and lane j % 8,
+    // so a row's sum does not depend on how many masked keys follow it (a verification row equals the
+    // decode row bit for bit).
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)), lane);
+    const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                      _mm256_maskload_ps(s + j, live), _mm256_castsi256_ps(live));
+    const __m256 y = exp8(_mm256_sub_ps(x, vmx));
+    _mm256_maskstore_ps(s + j, live, y);
+    vsum = _mm256_add_ps(vsum, y);
+    j = n;
+  }
   sum = hsum(vsum);
 #endif
   for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
