@@ -19,6 +19,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SPECDEC_BF16DP 1
 #include <ATen/Parallel.h>
+#include "cpu_gemv_passes.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
@@ -72,25 +73,8 @@ inline void rows(const uint16_t* x, int64_t xs, const uint16_t* w, const float* 
 // passes of at most 16 rows, each streaming the weights once), threads over output rows.
 inline void gemv(const uint16_t* x, int64_t xs, const uint16_t* w, const float* bias, uint16_t* y,
                  int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    // Passes of equal size: 17 rows as 9 + 8, not 16 + 1 (up to about 8 rows a pass streams at the
-    // memory's speed; past that the dot products bound it, ~100 G multiply-adds/s on 2 cores here).
-    const int64_t passes = (M + 15) / 16, per_pass = (M + passes - 1) / passes;
-    for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
-      const int64_t mc = std::min<int64_t>(per_pass, M - m0);
-      const uint16_t* xm = x + m0 * xs;
-      uint16_t* ym = y + m0 * N;
-      switch (mc) {
-#define SPECDEC_ROWS_CASE(R) \
-  case R: rows<R>(xm, xs, w, bias, ym, N, K, n0, n1); break;
-        SPECDEC_ROWS_CASE(16) SPECDEC_ROWS_CASE(15) SPECDEC_ROWS_CASE(14) SPECDEC_ROWS_CASE(13)
-        SPECDEC_ROWS_CASE(12) SPECDEC_ROWS_CASE(11) SPECDEC_ROWS_CASE(10) SPECDEC_ROWS_CASE(9)
-        SPECDEC_ROWS_CASE(8) SPECDEC_ROWS_CASE(7) SPECDEC_ROWS_CASE(6) SPECDEC_ROWS_CASE(5)
-        SPECDEC_ROWS_CASE(4) SPECDEC_ROWS_CASE(3) SPECDEC_ROWS_CASE(2)
-#undef SPECDEC_ROWS_CASE
-        default: rows<1>(xm, xs, w, bias, ym, N, K, n0, n1); break;
-      }
-    }
+  specdec_cpu_passes::passes(M, N, [&](int64_t m0, auto r, int64_t n0, int64_t n1) {
+    rows<decltype(r)::value>(x + m0 * xs, xs, w, bias, y + m0 * N, N, K, n0, n1);
   });
 }
 

@@ -12,6 +12,7 @@
 #if defined(__AVX512F__)
 #define SPECDEC_F32X16 1
 #include <ATen/Parallel.h>
+#include "cpu_gemv_passes.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
@@ -52,23 +53,8 @@ inline void rows(const float* x, int64_t xs, const float* w, const float* bias, 
 // rows, equal in size), threads over output rows.
 inline void gemv(const float* x, int64_t xs, const float* w, const float* bias, float* y, int64_t M,
                  int64_t N, int64_t K) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    const int64_t passes = (M + 15) / 16, per_pass = (M + passes - 1) / passes;
-    for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
-      const int64_t mc = std::min<int64_t>(per_pass, M - m0);
-      const float* xm = x + m0 * xs;
-      float* ym = y + m0 * N;
-      switch (mc) {
-#define SPECDEC_ROWS_CASE(R) \
-  case R: rows<R>(xm, xs, w, bias, ym, N, K, n0, n1); break;
-        SPECDEC_ROWS_CASE(16) SPECDEC_ROWS_CASE(15) SPECDEC_ROWS_CASE(14) SPECDEC_ROWS_CASE(13)
-        SPECDEC_ROWS_CASE(12) SPECDEC_ROWS_CASE(11) SPECDEC_ROWS_CASE(10) SPECDEC_ROWS_CASE(9)
-        SPECDEC_ROWS_CASE(8) SPECDEC_ROWS_CASE(7) SPECDEC_ROWS_CASE(6) SPECDEC_ROWS_CASE(5)
-        SPECDEC_ROWS_CASE(4) SPECDEC_ROWS_CASE(3) SPECDEC_ROWS_CASE(2)
-#undef SPECDEC_ROWS_CASE
-        default: rows<1>(xm, xs, w, bias, ym, N, K, n0, n1); break;
-      }
-    }
+  specdec_cpu_passes::passes(M, N, [&](int64_t m0, auto r, int64_t n0, int64_t n1) {
+    rows<decltype(r)::value>(x + m0 * xs, xs, w, bias, y + m0 * N, N, K, n0, n1);
   });
 }
 
