@@ -163,6 +163,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
               "gemv: x must be float32 or bfloat16");
   if (x.stride(1) != 1) x = x.contiguous();
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  if (x.size(0) == 0) return y;  // no rows (the passes below divide by their count)
   torch::Tensor bf;
   const float* bp = nullptr;
   if (bias.defined() && bias.numel()) {
@@ -260,6 +261,7 @@ torch::Tensor linear_amx(torch::Tensor x, const torch::Tensor& packed, int64_t N
     x = padded;
   }
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;  // no rows: a tile configured with none is invalid
   torch::Tensor bf;
   const float* bp = nullptr;
   if (bias.defined() && bias.numel()) {

@@ -27,6 +27,7 @@ def test_kernel_equals_reference(dtype, n, k, with_bias):
     g = torch.Generator().manual_seed(n * k)
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    assert cpu_gemv.cpu_gemv(torch.empty(0, k).to(dtype), w, b).shape == (0, n)  # no rows
     for m in range(1, cpu_gemv.MAX_ROWS + 1):
         x = torch.randn(m, k, generator=g).to(dtype)
         got = cpu_gemv.cpu_gemv(x, w, b)
@@ -231,6 +232,7 @@ def test_amx_kernel_equals_reference(packing, n, k, with_bias):
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3)
         assert (got == want.bfloat16()).float().mean() >= 0.99
+    assert cpu_gemv.linear_packed(torch.empty(0, k).bfloat16(), w, packed, b).shape == (0, n)  # no rows
     with pytest.raises(RuntimeError, match="linear_packed"):
         cpu_gemv.linear_packed(torch.randn(2, k + 32).bfloat16(), torch.empty(n, k + 32).bfloat16(), packed)
     with pytest.raises(RuntimeError, match="pack_amx"):
