@@ -1,4 +1,5 @@
-"""Logits parity: our decoder on the paged cache vs transformers, fp32, max abs difference <= 1e-4."""
+"""Logits parity: our decoder on the paged cache vs transformers, fp32, max abs difference <= 1e-4 (2e-4 on
+the real SmolLM2, see SMOL_TOL)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from specdec.attention.reference import ReferenceAttention
 from specdec.models.loader import load_model
 
 TOL = 1e-4
+#: SmolLM2's real logits (magnitudes ~20, 30 layers) differ from transformers' by float32 rounding that
+#: depends on the host's BLAS: up to 0.6e-4 on the AMD EPYC hosts, 1.4e-4 on an Intel Xeon (MKL), with the
+#: same code before and after this bound was set.
+SMOL_TOL = 2e-4
 
 
 class PagedRun:
@@ -157,8 +162,8 @@ def test_smollm2_logits_parity(smollm2_dir):
     # Chunked prefill of 13 tokens (splits blocks mid-way), then the rest.
     first = run.forward({s: p[:13] for s, p in zip(ids, prompts)})
     rest = run.forward({s: p[13:] for s, p in zip(ids, prompts) if len(p) > 13})
-    assert (first[0] - refs[0]).abs().max().item() <= TOL
-    assert (torch.cat([first[1], rest[0]]) - refs[1]).abs().max().item() <= TOL
+    assert (first[0] - refs[0]).abs().max().item() <= SMOL_TOL
+    assert (torch.cat([first[1], rest[0]]) - refs[1]).abs().max().item() <= SMOL_TOL
     # Decode through the paged cache, both sequences in one batch; the second crosses a block boundary (48).
     for step, (a, b) in enumerate([(11, 12), (13, 14), (15, 16), (17, 18)]):
         outs = run.forward({ids[0]: [a], ids[1]: [b]})
@@ -166,4 +171,4 @@ def test_smollm2_logits_parity(smollm2_dir):
         prompts[1].append(b)
         for out, p in zip(outs, prompts):
             ref = hf_logits(hf_model, p)[-1]
-            assert (out[-1] - ref).abs().max().item() <= TOL, step
+            assert (out[-1] - ref).abs().max().item() <= SMOL_TOL, step
