@@ -10,7 +10,8 @@ output equals the per-layer path bit for bit; its reference is that path,
 (``tests/kernels/test_cpu_decode_stack.py``).
 
 Layers it takes (:class:`StackLayer`): a pre-norm layer with an RMSNorm (Llama or Gemma form) before
-attention and before a SiLU-gated MLP, fused QKV and gate/up weights with optional biases, RoPE on every
+attention and before a SiLU-gated MLP, fused QKV and gate/up weights with optional biases (dense, or int8
+codes with per-row scales: an int8-quantized model such as the quantized self-drafter), RoPE on every
 query and key head, grouped-query attention with an optional sliding window and score soft-cap: Llama,
 SmolLM2, Qwen2, Mistral. Batches it takes: decode rows, verification chains and token trees (every
 request's new tokens within the short-query kernel's limit), no prefill chunk.
@@ -49,6 +50,9 @@ class StackLayer:
     (0: none); ``softcap``: attention score soft-cap (0: none). ``*_packed``: the linears' packed
     weights (:func:`kernels.cpu_gemv.pack_weight`: AMX or oneDNN) or None; a product takes its packed weight
     where :func:`kernels.cpu_gemv.packed_rows` says so and the layer has one, as the linear layers do.
+    ``*_scales``: for a linear held as int8 codes ``[out, in]`` (an int8
+    :class:`~specdec.quantization.linear.QuantizedLinear`), its scales ``[out]`` float32, and the product
+    runs :func:`kernels.cpu_gemv_int8.gemv_int8` as the layer does; None for a dense linear.
     """
 
     input_norm: torch.Tensor
@@ -73,6 +77,10 @@ class StackLayer:
     o_packed: torch.Tensor | None = None
     gate_up_packed: torch.Tensor | None = None
     down_packed: torch.Tensor | None = None
+    qkv_scales: torch.Tensor | None = None
+    o_scales: torch.Tensor | None = None
+    gate_up_scales: torch.Tensor | None = None
+    down_scales: torch.Tensor | None = None
 
 
 _NO_BIAS = torch.empty(0)
@@ -85,7 +93,7 @@ class DecodeStack:
         layers: the model's layers, in order.
 
     Raises:
-        ValueError: no layers, or layers of mixed dtypes.
+        ValueError: no layers, or layers of mixed dtypes (int8 codes aside).
         RuntimeError: the CPU kernels are not built here (check :func:`available` first), or a layer's
             weights do not fit its stated head counts.
     """
@@ -93,9 +101,13 @@ class DecodeStack:
     def __init__(self, layers: Sequence[StackLayer]) -> None:
         if not layers:
             raise ValueError("DecodeStack needs at least one layer")
-        self.dtype = layers[0].qkv.dtype
-        if any(t.dtype != self.dtype for lay in layers for t in (lay.qkv, lay.o, lay.gate_up, lay.down)):
-            raise ValueError("DecodeStack: every weight must have one dtype")
+        self.dtype = layers[0].input_norm.dtype
+        if any(
+            t.dtype not in (self.dtype, torch.int8)
+            for lay in layers
+            for t in (lay.input_norm, lay.qkv, lay.o, lay.gate_up, lay.down)
+        ):
+            raise ValueError("DecodeStack: every weight must have one dtype (or be int8 codes)")
         self._stack = require_extension().DecodeStack()
         for lay in layers:
             self._stack.add_layer(
@@ -103,6 +115,7 @@ class DecodeStack:
                 lay.gate_up, _bias(lay.gate_up_bias), lay.down, _bias(lay.down_bias), lay.num_heads,
                 lay.num_kv_heads, lay.head_dim, lay.eps, lay.gemma, lay.scale, lay.window, lay.softcap,
                 _bias(lay.qkv_packed), _bias(lay.o_packed), _bias(lay.gate_up_packed), _bias(lay.down_packed),
+                _bias(lay.qkv_scales), _bias(lay.o_scales), _bias(lay.gate_up_scales), _bias(lay.down_scales),
             )  # fmt: skip
 
     def __len__(self) -> int:

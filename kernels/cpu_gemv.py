@@ -5,7 +5,7 @@ step, so what a CPU step costs is how fast these products stream the weights. On
 AMD EPYC (AVX2, no AVX-512), two threads, SmolLM2-135M shapes, ``F.linear`` streams 9-12 GB/s in float32
 at one row and 2-4 GB/s in bfloat16 at five rows (a k = 4 verification), against 26 GB/s for
 ``torch.sum``; the kernel of ``csrc/cpu_gemv.cpp`` streams 12-23 GB/s (float32, one row), 15-20 (float32,
-five rows), 15-18 (bfloat16, one row) and 9-14 (bfloat16, five rows). ``python -m kernels.cpu_gemv``
+five rows), 15-18 (bfloat16, one row) and 9-14 (bfloat16, five rows). ``python -m kernels.bench_cpu gemv``
 prints these figures for this machine.
 
 Dispatch (:func:`gemv`): the kernel for float32 / bfloat16 CPU tensors of at most :func:`max_rows` rows
@@ -275,7 +275,3 @@ def _bench(rows: tuple[int, ...] = (1, 5, 16)) -> None:
                         speeds.append(n * k * ws[0].element_size() * len(ws) / seconds / 1e9)
                     print(f"{str(dtype)[6:]:9s} rows {m:2d} {name:8s} F.linear {speeds[0]:5.1f} GB/s  "
                           f"kernel {speeds[1]:5.1f} GB/s")  # fmt: skip
-
-
-if __name__ == "__main__":
-    _bench()

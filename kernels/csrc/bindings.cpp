@@ -18,9 +18,17 @@ torch::Tensor linear_packed_op(const torch::Tensor& x, const torch::Tensor& w, c
   return linear_packed(x, w, packed, bias.has_value() ? *bias : torch::Tensor());
 }
 
+// The weight-only int8 product (cpu_gemv_int8.cpp), specdec_cpu::gemv_int8, likewise; schema
+// "gemv_int8(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor" (kernels/cpu_gemv_int8.py).
+torch::Tensor gemv_int8_op(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                           const std::optional<torch::Tensor>& bias) {
+  return gemv_int8(x, codes, scales, bias.has_value() ? *bias : torch::Tensor());
+}
+
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("gemv", &gemv_op);
   m.impl("linear_packed", &linear_packed_op);
+  m.impl("gemv_int8", &gemv_int8_op);
   // The layer's small operations (kernels/csrc/cpu_layer_ops.cpp; schemas and fakes in
   // kernels/cpu_layer_ops.py), dispatcher operators for the same reason.
   m.impl("rms_norm", &rms_norm);
@@ -46,6 +54,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether an [M, K] x [N, K]^T bfloat16 product takes the packed weight (kernels/csrc/cpu_gemv.cpp)");
   m.def("onednn_rows", &onednn_rows,
         "whether an [M, K] x [N, K]^T bfloat16 product takes oneDNN's packed GEMM (kernels/csrc/cpu_gemv.cpp)");
+  m.def("gemv_int8", &gemv_int8, "y = x @ (codes * scales)^T + bias, int8 codes (kernels/csrc/cpu_gemv_int8.cpp)");
+  m.def("has_int8_vnni", &has_int8_vnni, "whether int8 products use AVX512_VNNI (kernels/csrc/cpu_gemv_int8.cpp)");
   m.def("has_avx2", &specdec_cpu::has_avx2, "whether the kernels were compiled with AVX2 + FMA");
   bind_decode_stack(m);
 }

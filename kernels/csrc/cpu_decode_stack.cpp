@@ -9,7 +9,8 @@
 // (specdec/models/decoder.py); kernels/cpu_decode_stack.py decides which models and batches it serves.
 //
 // Layers served: pre-norm decoder layers with one RMSNorm (Llama or Gemma form) before attention and one
-// before a SiLU-gated MLP, fused QKV and gate/up projections with optional biases, RoPE on every query
+// before a SiLU-gated MLP, fused QKV and gate/up projections with optional biases (dense, or int8 codes
+// with one scale per output row: an int8-quantized model such as the quantized self-drafter), RoPE on every query
 // and key head, grouped-query attention with an optional sliding window and score soft-cap (Llama,
 // SmolLM2, Qwen2, Mistral). Batches served: every request's new tokens attended by the short-query kernel.
 #include <torch/extension.h>
@@ -20,19 +21,23 @@
 
 namespace {
 
-// A linear layer's product as GemvLinear computes it: its packed weight (AMX or oneDNN) where packed_rows
-// says so and the layer has one (bfloat16), else the GEMV kernel.
+// A linear layer's product as its module computes it: int8 codes (QuantizedLinear, scales given) through
+// the int8 kernel; else its packed weight (AMX or oneDNN) where packed_rows says so and the layer has one
+// (bfloat16), else the GEMV kernel (GemvLinear).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
-                     const torch::Tensor& packed) {
+                     const torch::Tensor& packed, const torch::Tensor& scales) {
+  if (w.scalar_type() == torch::kChar) return gemv_int8(x, w, scales, bias);
   if (packed.numel() && packed_rows(x.size(0), w.size(0), w.size(1))) return linear_packed(x, w, packed, bias);
   return gemv(x, w, bias);
 }
 
-// One layer's weights (shared with the model's modules, not copied), their packed copies (AMX or oneDNN;
-// empty: none) and shape. Empty biases: none.
+// One layer's weights (shared with the model's modules, not copied; int8 codes for a quantized linear),
+// their packed copies (AMX or oneDNN; empty: none), the int8 linears' float32 scales (empty: not int8) and
+// shape. Empty biases: none.
 struct Layer {
   torch::Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
   torch::Tensor qkv_packed, o_packed, gate_up_packed, down_packed;
+  torch::Tensor qkv_scales, o_scales, gate_up_scales, down_scales;
   int64_t num_heads, num_kv_heads, head_dim, window;
   double eps, scale, softcap;
   bool gemma;
@@ -45,13 +50,21 @@ class DecodeStack {
                  torch::Tensor gate_up_bias, torch::Tensor down, torch::Tensor down_bias, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, double eps, bool gemma, double scale,
                  int64_t window, double softcap, torch::Tensor qkv_packed, torch::Tensor o_packed,
-                 torch::Tensor gate_up_packed, torch::Tensor down_packed) {
+                 torch::Tensor gate_up_packed, torch::Tensor down_packed, torch::Tensor qkv_scales,
+                 torch::Tensor o_scales, torch::Tensor gate_up_scales, torch::Tensor down_scales) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
                 "DecodeStack: head counts / head_dim");
     TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == (num_heads + 2 * num_kv_heads) * head_dim,
                 "DecodeStack: qkv weight [(H + 2 KVH) D, hidden]");
+    const std::pair<const torch::Tensor*, const torch::Tensor*> int8[] = {
+        {&qkv, &qkv_scales}, {&o, &o_scales}, {&gate_up, &gate_up_scales}, {&down, &down_scales}};
+    for (const auto& [w, s] : int8)
+      TORCH_CHECK(w->scalar_type() != torch::kChar ||
+                      (s->scalar_type() == torch::kFloat32 && s->numel() == w->size(0) && s->is_contiguous()),
+                  "DecodeStack: an int8 weight needs float32 scales [out_features]");
     layers_.push_back(Layer{input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down,
-                            down_bias, qkv_packed, o_packed, gate_up_packed, down_packed, num_heads,
+                            down_bias, qkv_packed, o_packed, gate_up_packed, down_packed, qkv_scales,
+                            o_scales, gate_up_scales, down_scales, num_heads,
                             num_kv_heads, head_dim, window, eps, scale, softcap, gemma});
   }
 
@@ -84,7 +97,7 @@ class DecodeStack {
       keep(i, hidden);
       const int64_t H = l.num_heads, KVH = l.num_kv_heads, D = l.head_dim;
       auto x = rms_norm(hidden, l.input_norm, l.eps, l.gemma);
-      auto qkv = linear(x, l.qkv, l.qkv_bias, l.qkv_packed).view({T, H + 2 * KVH, D});
+      auto qkv = linear(x, l.qkv, l.qkv_bias, l.qkv_packed, l.qkv_scales).view({T, H + 2 * KVH, D});
       auto qk = rope(qkv.narrow(1, 0, H + KVH), cos, sin);
       auto v = qkv.narrow(1, H + KVH, KVH);
       write_kv(qk.narrow(1, H, KVH), v, k_caches[i], v_caches[i], slot_mapping);
@@ -92,10 +105,10 @@ class DecodeStack {
       auto attn = torch::empty({T, H, D}, hidden.options());
       paged_attention_short(q, k_caches[i], v_caches[i], block_table, reqs, q_start, q_len, seq_len,
                             mask_offset, masks, attn, l.scale, l.window, l.softcap);
-      hidden = hidden + linear(attn.view({T, H * D}), l.o, l.o_bias, l.o_packed);
+      hidden = hidden + linear(attn.view({T, H * D}), l.o, l.o_bias, l.o_packed, l.o_scales);
       auto gate_up = linear(rms_norm(hidden, l.post_norm, l.eps, l.gemma), l.gate_up, l.gate_up_bias,
-                            l.gate_up_packed);
-      hidden = hidden + linear(silu_mul(gate_up), l.down, l.down_bias, l.down_packed);
+                            l.gate_up_packed, l.gate_up_scales);
+      hidden = hidden + linear(silu_mul(gate_up), l.down, l.down_bias, l.down_packed, l.down_scales);
     }
     keep(L, hidden);
     out[0] = hidden;

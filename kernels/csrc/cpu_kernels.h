@@ -14,6 +14,10 @@ bool packed_rows(int64_t M, int64_t N, int64_t K);
 torch::Tensor pack_amx(const torch::Tensor& w);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                             const torch::Tensor& bias);
+// cpu_gemv_int8.cpp
+torch::Tensor gemv_int8(torch::Tensor x, const torch::Tensor& codes, const torch::Tensor& scales,
+                        const torch::Tensor& bias);
+bool has_int8_vnni();
 // cpu_attention.cpp
 void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,

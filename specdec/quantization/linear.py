@@ -10,7 +10,13 @@ Two ways to compute ``x @ dequantize(W).T + b``:
   ``_convert_weight_to_int4pack_for_cpu``, which needs N divisible by 16; scales and zeros
   ``[K / G, N, 2]``: zeros 0 for symmetric groups, the groups' offsets with ``zero_point``).
 
-Which path runs, and why (``kernel="auto"``). Measured with one thread on this project's 2-core CPU
+int8 products of at most 16 rows on a CPU (``kernel="auto"``) take this project's kernel first,
+:mod:`kernels.cpu_gemv_int8` (int16-quantized input rows against the int8 codes with AVX512_VNNI; at one
+row 18-24 GB/s of codes against torch's 9-12, i.e. about half the time of the bfloat16 GEMV; figures in
+``docs/kernels.md``), where it builds; the rest of this docstring is about torch's kernels, which serve
+where it does not (and ``kernel="packed"``).
+
+Which path runs, and why (``kernel="auto"``, without the project's int8 kernel). Measured with one thread on this project's 2-core CPU
 (shared with other jobs while measured, so indicative only; the ratios were stable across reruns),
 milliseconds per call, weights cycled through enough copies to defeat the caches (``python -m
 experiments.bench_quant kernels=true`` reruns it):
@@ -61,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_gemv_int8
 from specdec.quantization.schemes import QuantizedWeight, pack_int4, quantize, unpack_int4
 
 #: int8, ``kernel="auto"``: the packed kernel runs for calls of at most this many rows (measured above).
@@ -159,6 +166,11 @@ class QuantizedLinear(nn.Module):
         self.scheme, self.group_size, self.kernel = qw.scheme, qw.group_size, kernel
         n, k = qw.shape
         self.int8_packed = qw.scheme == "int8" and kernel != "reference" and int8_packed_supported(device)
+        #: int8 products of at most :data:`kernels.cpu_gemv_int8.MAX_ROWS` rows through this project's
+        #: kernel (``kernel="auto"``, a CPU, the kernel built here); torch's packed kernel otherwise.
+        self.int8_kernel = (
+            qw.scheme == "int8" and kernel == "auto" and device.type == "cpu" and cpu_gemv_int8.available()
+        )
         self.int4_packed = qw.scheme == "int4" and uses_int4_packed_layout(n, k, dtype, device, kernel)
         if qw.scheme == "int8":
             qweight, scales = qw.codes, qw.scales.reshape(n)
@@ -263,7 +275,14 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        if self._use_packed(rows, x2.dtype):
+        if (
+            self.int8_kernel
+            and rows <= cpu_gemv_int8.MAX_ROWS
+            and x2.dtype in (torch.float32, torch.bfloat16)
+            and x2.device.type == "cpu"
+        ):
+            out = torch.ops.specdec_cpu.gemv_int8(x2, self.qweight, self.scales, self.bias)
+        elif self._use_packed(rows, x2.dtype):
             if self.scheme == "int8":
                 out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
             else:
@@ -280,6 +299,7 @@ class QuantizedLinear(nn.Module):
         g = "per channel" if self.scheme == "int8" else f"group_size={self.group_size}"
         g += ", zero_point" if self.zero_point else ""
         path = "packed" if (self.int8_packed or self.int4_packed) else "reference"
+        path += ", cpu_gemv_int8" if self.int8_kernel else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme} {g}, "
             f"bias={self.bias is not None}, layout={path}, kernel={self.kernel}"
