@@ -3,7 +3,8 @@ speculation on a prompt whose drafts are always right.
 
 Each row is one forward of the target through the engine's model runner (same KV cache, same attention
 backend, eager or compiled), after a context of ``context`` tokens, timed ``repeats`` times after a
-warm-up; the median is reported with its ratio to the plain decode step:
+warm-up, the rows in turn (so that the host's drift moves them alike); the median is reported with its
+ratio to the plain decode step:
 
 - ``plain``: one new token, one logits row (a decode step).
 - ``chain``: ``k + 1`` new tokens (the last accepted one and ``k`` drafts), ``k + 1`` logits rows.
@@ -44,7 +45,7 @@ class BenchStepConfig(HarnessConfig):
     k: drafts per chain (``num_speculative_tokens``).
     tree_nodes: nodes of the token tree.
     context: tokens already in the KV cache before each timed step.
-    repeats: timed forwards per row (after 3 warm-up ones).
+    repeats: timed forwards per row (after 3 warm-up ones), the rows taken in turn.
     max_tokens: new tokens of the end-to-end n-gram row.
     """
 
@@ -54,7 +55,7 @@ class BenchStepConfig(HarnessConfig):
     k: int = 4
     tree_nodes: int = 16
     context: int = 128
-    repeats: int = 30
+    repeats: int = 100
     max_tokens: int = 128
 
     def validate(self) -> None:
@@ -73,17 +74,6 @@ def tree_segment_fields(num_nodes: int, start: int) -> tuple[list[int], torch.Te
         mask[i] |= mask[parents[i]]
         depth[i] = depth[parents[i]] + 1
     return [start + d for d in depth], mask
-
-
-def _median_ms(fn: Any, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def step_rows(llm: Any, cfg: BenchStepConfig) -> dict[str, float]:
@@ -115,13 +105,27 @@ def step_rows(llm: Any, cfg: BenchStepConfig) -> dict[str, float]:
             ),
         }
         inputs = {name: build_inputs([seg], block_size, runner.device) for name, seg in segments.items()}
-        rows = {
-            "plain": _median_ms(lambda: runner.execute(inputs["plain"]), cfg.repeats),
-            "chain": _median_ms(lambda: runner.execute(inputs["chain"]), cfg.repeats),
-            "chain_features": _median_ms(lambda: runner.execute_with_hidden(inputs["chain"]), cfg.repeats),
-            "tree": _median_ms(lambda: runner.execute(inputs["tree"]), cfg.repeats),
+        calls = {
+            "plain": lambda: runner.execute(inputs["plain"]),
+            "chain": lambda: runner.execute(inputs["chain"]),
+            "chain_features": lambda: runner.execute_with_hidden(inputs["chain"]),
+            "tree": lambda: runner.execute(inputs["tree"]),
         }
-    return rows
+        return _interleaved_median_ms(calls, cfg.repeats)
+
+
+def _interleaved_median_ms(calls: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each call, timed round-robin (one of each per round, after 3 warm-up
+    rounds), so that a host whose speed drifts during the run (±10 % over a minute here) moves every row
+    alike and the ratios stay comparable."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(repeats + 3):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            if round_ >= 3:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def ngram_row(llm_plain: Any, llm_ngram: Any, cfg: BenchStepConfig) -> dict[str, float]:

@@ -441,3 +441,13 @@ def test_bad_kv_cache_dtype_and_triton_int8_are_rejected(tiny_dir):
     with pytest.raises(ConfigError, match="reference attention backend only"):
         select_attention_backend(torch.device("cpu"), "triton", kv_cache_dtype="int8")
     assert isinstance(select_attention_backend(torch.device("cpu"), "auto", "int8"), ReferenceAttention)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int8_dequantization_in_the_activation_dtype_rounds_once(dtype):
+    """The int8 fast path (codes times scales in the activation dtype) gives the float32 computation's
+    bits: a code times a scale is exact in float32, so both round once."""
+    g = torch.Generator().manual_seed(2)
+    layer = QuantizedLinear.from_weight(torch.randn(64, 96, generator=g) * 3, None, "int8", None, dtype)
+    codes, scales = layer.codes().float(), layer.scales.float()
+    assert torch.equal(layer.dequantized_weight(dtype), (codes * scales[:, None]).to(dtype))

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "cpu_simd.h"
 
@@ -25,8 +26,31 @@ namespace {
 inline float f32(float v) { return v; }
 inline float f32(at::BFloat16 v) { return static_cast<float>(v); }
 
-// Rows per parallel task: decode and verification rows (a few) run inline on the calling thread.
-constexpr int64_t kRowGrain = 32;
+// Rows per parallel task: a decode row and a short chain run inline on the calling thread; a token tree's
+// 16 rows (and longer chains) split across threads (SiLU * up of 16 rows: 30 -> ~17 µs on 2 threads).
+constexpr int64_t kRowGrain = 4;
+
+#ifdef SPECDEC_AVX2
+// Eight float32 values rounded to T's precision, as float32: identity for float32; bfloat16 round to
+// nearest even (NaN kept a quiet NaN), as at::BFloat16(float) rounds.
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if (std::is_same<T, float>::value) return v;
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// v already rounded to bfloat16 precision (round8): its high halves.
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
 
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t rows, int64_t H, float eps,
@@ -48,7 +72,15 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t row
       if (gemma) {  // (h * (1 + w)) in float32, rounded once
         for (int64_t k = 0; k < H; ++k) o[k] = static_cast<T>((f32(xr[k]) * inv) * (1.0f + f32(w[k])));
       } else {  // h rounded to T, then w * h rounded (Llama's order)
-        for (int64_t k = 0; k < H; ++k) {
+        int64_t k = 0;
+#ifdef SPECDEC_AVX2
+        const __m256 inv8 = _mm256_set1_ps(inv);
+        for (; k + 8 <= H; k += 8) {
+          const __m256 h = round8<T>(_mm256_mul_ps(specdec_cpu::load8(xr + k), inv8));
+          store8(o + k, round8<T>(_mm256_mul_ps(specdec_cpu::load8(w + k), h)));
+        }
+#endif
+        for (; k < H; ++k) {
           const T h = static_cast<T>(f32(xr[k]) * inv);
           o[k] = static_cast<T>(f32(w[k]) * f32(h));
         }
@@ -68,7 +100,20 @@ void rope_rows(const T* qk, int64_t s_tok, int64_t s_head, const T* cos, const T
       for (int64_t h = 0; h < NH; ++h) {
         const T* x = qk + t * s_tok + h * s_head;
         T* o = out + (t * NH + h) * D;
-        for (int64_t d = 0; d < D; ++d) {
+        int64_t d = 0;
+#ifdef SPECDEC_AVX2
+        if (half % 8 == 0) {  // eight at a time within each half, the same roundings as below
+          const __m256 minus = _mm256_set1_ps(-0.0f);
+          for (; d < D; d += 8) {
+            const __m256 rot = d < half ? _mm256_xor_ps(specdec_cpu::load8(x + d + half), minus)
+                                        : specdec_cpu::load8(x + d - half);
+            const __m256 a = round8<T>(_mm256_mul_ps(specdec_cpu::load8(x + d), specdec_cpu::load8(c + d)));
+            const __m256 b = round8<T>(_mm256_mul_ps(rot, specdec_cpu::load8(s + d)));
+            store8(o + d, round8<T>(_mm256_add_ps(a, b)));
+          }
+        }
+#endif
+        for (; d < D; ++d) {
           // rotate_half: (-x[half:], x[:half])
           const float rot = d < half ? -f32(x[d + half]) : f32(x[d - half]);
           const T a = static_cast<T>(f32(x[d]) * f32(c[d]));
@@ -89,15 +134,15 @@ void silu_mul_rows(const T* gu, int64_t stride, T* out, int64_t rows, int64_t I)
       T* o = out + r * I;
       int64_t k = 0;
 #ifdef SPECDEC_AVX2
-      // exp(-x) eight at a time (exp8: within about 1 ulp of std::exp), the rest as below.
-      alignas(32) float gx[8], ex[8];
+      // Eight at a time: exp(-x) by exp8 (within about 1 ulp of std::exp), the division, both roundings
+      // to T and the product as the scalar loop below computes them (a vector division rounds as a scalar
+      // one does; round8 is at::BFloat16's rounding), so the result does not depend on where a row's
+      // tail starts.
       for (; k + 8 <= I; k += 8) {
-        for (int i = 0; i < 8; ++i) gx[i] = f32(g[k + i]);
-        _mm256_store_ps(ex, specdec_cpu::exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_load_ps(gx))));
-        for (int i = 0; i < 8; ++i) {
-          const T act = static_cast<T>(gx[i] / (1.0f + ex[i]));
-          o[k + i] = static_cast<T>(f32(act) * f32(u[k + i]));
-        }
+        const __m256 x = specdec_cpu::load8(g + k);
+        const __m256 e = specdec_cpu::exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        const __m256 act = round8<T>(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+        store8(o + k, round8<T>(_mm256_mul_ps(act, specdec_cpu::load8(u + k))));
       }
 #endif
       for (; k < I; ++k) {

@@ -74,11 +74,13 @@ inline void axpy(float alpha, const W* a, float* y, int64_t n) {
 
 #ifdef SPECDEC_AVX2
 // exp(x), eight lanes: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes' expf
-// constants, about 1 ulp); inputs below -87 (-inf among them) give 0, above 88.7 infinity.
+// constants, about 1 ulp); inputs below -87 (-inf among them) give 0, above 88.38 infinity (SiLU's
+// exp(-x) of a gate below -88.38: without the clamp the exponent wrapped and SiLU returned about x).
 inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
+  const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.3762626647949f);
   const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
+  const __m256 overflow = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
   const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
@@ -91,7 +93,8 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  const __m256 out = _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  return _mm256_blendv_ps(out, _mm256_set1_ps(std::numeric_limits<float>::infinity()), overflow);
 }
 #endif
 

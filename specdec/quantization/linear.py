@@ -256,6 +256,10 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``codes * scales (+ zeros)`` ``[N, K]``, computed in float32, returned in ``dtype``."""
         n, k = self.out_features, self.in_features
+        if self.scheme == "int8" and dtype == self.scales.dtype:
+            # The same bits in half the passes (a prefill chunk's reference path dequantizes every call): a
+            # code (8 bits) times a scale (at most 24) is exact in float32, so either way it rounds once.
+            return self.qweight.to(dtype) * self.scales[:, None]
         g = k if self.scheme == "int8" else self.group_size
         w = self.codes().reshape(n, k // g, g).float() * self.group_scales().float()[..., None]
         zeros = self.group_zeros()

@@ -72,6 +72,20 @@ def test_silu_mul_equals_reference(dtype, rows, inner):
         _close(cpu_layer_ops.silu_mul(gate_up, use_kernel=True), cpu_layer_ops.silu_mul_reference(gate_up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_at_the_extremes(dtype):
+    """Gates far below exp's range (SiLU -> -0: an eight-lane exp once wrapped its exponent there and
+    returned about the gate), far above, infinities and NaN, in the vector lanes and in the tail."""
+    specials = [-1e4, -100.0, -88.5, -87.5, 87.5, 100.0, 1e4, float("-inf"), float("inf"), float("nan"), 0.0]
+    gate = torch.tensor(specials * 2, dtype=torch.float32)[None]  # 22 columns: two blocks of 8 and a tail
+    gate_up = torch.cat([gate, torch.full_like(gate, 3.0)], dim=1).to(dtype)
+    with torch.inference_mode():
+        got = cpu_layer_ops.silu_mul(gate_up, use_kernel=True)
+        want = cpu_layer_ops.silu_mul_reference(gate_up)
+    # exp(88.5) is finite but past the eight-lane exp's 88.38 clamp: SiLU there 0 instead of -3e-37
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=2**-7, atol=1e-30)
+
+
 def test_bad_shapes_are_refused_by_the_kernels():
     with torch.inference_mode(), pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.specdec_cpu.rms_norm(torch.randn(2, 8), torch.randn(9), 1e-6, False)
