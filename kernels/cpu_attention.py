@@ -2,11 +2,12 @@
 beside its reference.
 
 The kernel (``csrc/cpu_attention.cpp``) attends the new queries of ``m`` requests (at most
-``BATCHED_QUERY_MAX`` each) to their keys, read through the block table from the paged caches, with a
-causal or tree attention mask among the new tokens; one task per (request, KV head), so K and V are read
-once per KV head for all its query heads and queries. Its reference is the pure-torch backend
-(:class:`specdec.attention.reference.ReferenceAttention`: masked batched matmuls, or SDPA), which the
-tests compare it with.
+``BATCHED_QUERY_MAX`` each) to their keys, read through the block table from the paged caches, with a causal
+or tree attention mask among the new tokens; one task per (request, KV head) — or per chunk of its rows where
+that evens out the threads — so K and V are read once per KV head for all its query heads and queries, the
+keys transposed in registers 32 at a time and the values widened as they are summed. Its reference is the
+pure-torch backend (:class:`specdec.attention.reference.ReferenceAttention`: masked batched matmuls, or SDPA),
+which the tests compare it with.
 
 Why: the reference's gathers, masks and small matmuls cost about 0.4 ms per layer at batch 1 on this
 project's 2-core CPU, a third of a compiled SmolLM2-135M step; the kernel reads the same bytes in a few
@@ -115,3 +116,40 @@ def write_kv(
             not built.
     """
     require_extension().write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _bench(contexts: tuple[int, ...] = (128, 512, 2048), q_lens: tuple[int, ...] = (1, 5, 16)) -> None:
+    """Microseconds per call of one SmolLM2-135M layer's attention (9 query heads, 3 KV heads, head_dim
+    64, bfloat16, blocks of 16, one request): a decode row, a chain of 5 and a 16-node tree (a binary
+    tree's mask) at several contexts, and the GB/s of K/V read (``python -m kernels.bench_cpu attention``)."""
+    import time
+
+    H, KVH, D, bs = 9, 3, 64, 16
+    print(f"threads {torch.get_num_threads()}, kernel built: {available()}")
+    for ctx in contexts:
+        line = []
+        for q in q_lens:
+            L = ctx + q
+            nblocks = -(-L // bs)
+            k_cache = torch.randn(nblocks, bs, KVH, D, dtype=torch.bfloat16)
+            v_cache = torch.randn_like(k_cache)
+            query = torch.randn(q, H, D, dtype=torch.bfloat16)
+            out = torch.empty_like(query)
+            table = torch.randperm(nblocks).view(1, -1)
+            one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+            masks, offset = torch.empty(0, dtype=torch.uint8), -1
+            if q == 16:
+                tree = torch.eye(q, dtype=torch.bool)
+                for i in range(1, q):
+                    tree[i] |= tree[(i - 1) // 2]
+                masks, offset = tree.to(torch.uint8).flatten(), 0
+            args = (query, k_cache, v_cache, table, one(0), one(0), one(q), one(L), one(offset), masks, out)
+            for _ in range(10):
+                paged_attention_short(*args, D**-0.5)
+            reps = 400
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                paged_attention_short(*args, D**-0.5)
+            dt = (time.perf_counter() - t0) / reps
+            line.append(f"q {q:2d}: {dt * 1e6:6.1f} µs {2 * L * KVH * D * 2 / dt / 1e9:5.1f} GB/s")
+        print(f"context {ctx:5d}  " + " | ".join(line))

@@ -10,12 +10,14 @@
 // visible new tokens - 1); keys before the first query's window are not read. Soft-capping (softcap > 0,
 // Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax.
 //
-// One task per (request, KV head, chunk of the request's queries), at::parallel_for over them: the task's
-// G * rows query rows (G query heads per KV head, grouped-query attention) are scored against each key as
-// it is read, each key and value widened to float32 once for all of them. A request's queries are split
-// into chunks only where the batch has fewer (request, KV head) pairs than 4 per thread (a 16-node tree
-// of SmolLM2, 3 KV heads, on 2 threads: 3 chunks, 9 tasks instead of 3), so the threads share the work;
-// rows are independent, so the outputs do not depend on the split. Scores, softmax and the weighted sum of values are float32; float32 and bfloat16
+// One task per (request, KV head, chunk of the request's rows), at::parallel_for over them. A request's
+// rows are its G * q_len (query, query head) pairs of the KV head (grouped-query attention), in groups of
+// four; a (request, KV head) is split into chunks of whole groups only where that evens out the threads'
+// work (a chain of 5 on SmolLM2's 3 KV heads and 2 threads: 2 chunks, 6 tasks instead of 3). Rows are
+// independent, so the outputs do not depend on the split. Per task: the keys, 32 at a time, are widened
+// to float32 and transposed in registers into a tile [head_dim, 32]; each score is one float32 FMA chain
+// over head_dim (4 rows x 32 keys per step); the values are read from the cache and widened as they are
+// summed, 4 rows at a time. Scores, softmax and the weighted sum of values are float32; float32 and bfloat16
 // caches and queries. Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
 // tests/kernels/test_cpu_attention.py compares them.
 #include <ATen/Parallel.h>
@@ -31,20 +33,74 @@ namespace {
 using namespace specdec_cpu;
 
 #ifdef __AVX512F__
-// out[0 : 16 NV] = sum over keys j in [first, L) of p[j] * v[(j - first) * stride : ...], keys in order,
-// skipping p[j] == 0 (the same products added in the same order as axpy key by key).
-template <int NV>
-inline void weighted_values(const float* p, int64_t first, int64_t L, const float* v, float* out,
-                            int64_t stride = 16 * NV) {
-  __m512 a[NV];
-  for (int c = 0; c < NV; ++c) a[c] = _mm512_setzero_ps();
-  for (int64_t j = first; j < L; ++j) {
-    if (p[j] == 0.f) continue;
-    const __m512 pv = _mm512_set1_ps(p[j]);
-    const float* vj = v + (j - first) * stride;
-    for (int c = 0; c < NV; ++c) a[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 16 * c), a[c]);
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bfloat16 widened exactly: its bits in the upper half
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The lanes of the permutes of level S of transpose16: row i's (HI false) and row i + S's (HI true).
+template <int S, bool HI>
+struct TransposeIndex {
+  alignas(64) int32_t lane[16];
+  constexpr TransposeIndex() : lane() {
+    for (int k = 0; k < 16; ++k) lane[k] = (k & S) ? (HI ? 16 + k : 16 + k - S) : (HI ? k + S : k);
   }
-  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + 16 * c, a[c]);
+};
+
+// One level of transpose16: bit S of the row and of the lane index exchanged between rows i and i + S.
+template <int S>
+inline void transpose_level(__m512 r[16]) {
+  static constexpr TransposeIndex<S, false> kLo{};
+  static constexpr TransposeIndex<S, true> kHi{};
+  const __m512i lo = _mm512_load_si512(kLo.lane), hi = _mm512_load_si512(kHi.lane);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    if (i & S) continue;
+    const __m512 a = r[i], b = r[i + S];
+    r[i] = _mm512_permutex2var_ps(a, lo, b);
+    r[i + S] = _mm512_permutex2var_ps(a, hi, b);
+  }
+}
+
+// r[0 .. 15] transposed in place (r[i][k] <-> r[k][i]): four levels of 16 two-source permutes, the
+// indices compile-time constants (built in memory at run time they cost a store-forwarding stall each).
+inline void transpose16(__m512 r[16]) {
+  transpose_level<8>(r);
+  transpose_level<4>(r);
+  transpose_level<2>(r);
+  transpose_level<1>(r);
+}
+
+// out[rr][0 : 16 NV] = sum over keys j in [first, L) of p[rr * L + j] * v[off[j - first] + c0 : ...]
+// (widened to float32) for the rows rr < nr (p holds 4 rows; rows past nr are not stored), keys in order,
+// skipping p == 0 (masked FMAs: the same products added in the same order as axpy key by key). The values
+// are read from the paged cache itself and widened once per key for the four rows.
+template <int NV, typename T>
+inline void weighted_values(const float* p, int64_t L, int64_t nr, int64_t first, const T* v,
+                            const int64_t* off, float* out, int64_t out_stride) {
+  __m512 a0[NV], a1[NV], a2[NV], a3[NV];
+  for (int c = 0; c < NV; ++c) a0[c] = a1[c] = a2[c] = a3[c] = _mm512_setzero_ps();
+  const float *p0 = p, *p1 = p + L, *p2 = p + 2 * L, *p3 = p + 3 * L;
+  for (int64_t j = first; j < L; ++j) {
+    const __mmask16 k0 = p0[j] != 0.f ? 0xFFFF : 0, k1 = p1[j] != 0.f ? 0xFFFF : 0,
+                    k2 = p2[j] != 0.f ? 0xFFFF : 0, k3 = p3[j] != 0.f ? 0xFFFF : 0;
+    if (!(k0 | k1 | k2 | k3)) continue;
+    const __m512 b0 = _mm512_set1_ps(p0[j]), b1 = _mm512_set1_ps(p1[j]), b2 = _mm512_set1_ps(p2[j]),
+                 b3 = _mm512_set1_ps(p3[j]);
+    const T* src = v + off[j - first];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      const __m512 vj = load16(src + 16 * c);
+      a0[c] = _mm512_mask3_fmadd_ps(b0, vj, a0[c], k0);
+      a1[c] = _mm512_mask3_fmadd_ps(b1, vj, a1[c], k1);
+      a2[c] = _mm512_mask3_fmadd_ps(b2, vj, a2[c], k2);
+      a3[c] = _mm512_mask3_fmadd_ps(b3, vj, a3[c], k3);
+    }
+  }
+  const __m512* rows[4] = {a0, a1, a2, a3};
+  for (int64_t r = 0; r < nr; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + r * out_stride + 16 * c, rows[r][c]);
 }
 #endif
 
@@ -54,29 +110,36 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
             const int64_t* mask_offset, const uint8_t* masks, T* out, int64_t m, int64_t H, int64_t KVH,
             int64_t D, int64_t block_size, float scale, int64_t window, float softcap) {
   const int64_t G = H / KVH;
-  int64_t max_q = 1;
-  for (int64_t i = 0; i < m; ++i) max_q = std::max(max_q, q_len[i]);
-  const int64_t want = 4 * at::get_num_threads();
-  const int64_t chunks = m * KVH >= want || max_q < 8 ? 1 : std::min(max_q, (want + m * KVH - 1) / (m * KVH));
+  // A request's rows u = r * G + h (query r, head g * G + h of KV head g) in groups of four (the score
+  // product's unit); each (request, KV head) split into chunks of whole groups where that evens out the
+  // threads' work: the smallest count giving a multiple of the thread count, or at least 4 tasks per thread
+  // (a chain of 5 on SmolLM2's 3 KV heads and 2 threads: 2 chunks, 6 tasks instead of 3). Rows are
+  // independent, so the outputs do not depend on the split.
+  int64_t max_groups = 1;
+  for (int64_t i = 0; i < m; ++i) max_groups = std::max(max_groups, (q_len[i] * G + 3) / 4);
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  while (chunks < max_groups && (m * KVH * chunks) % threads != 0 && m * KVH * chunks < 4 * threads) ++chunks;
   at::parallel_for(0, m * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> q, scores, acc, kt, vf, kv(D);
+    std::vector<float> q, scores, acc, kt, kv(D);
+    std::vector<int64_t> off;  // element offsets of the task's keys / values in the caches
     std::vector<int64_t> pos;  // positions of the request's new tokens
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / (KVH * chunks), g = task / chunks % KVH, chunk = task % chunks;
       const int64_t ql = q_len[i], L = seq_len[i], ctx = L - ql;
-      // This task's queries r0 .. r1 of the request (chunks of near-equal size; empty past q_len).
-      const int64_t per = (ql + chunks - 1) / chunks, r0 = std::min(ql, chunk * per), r1 = std::min(ql, r0 + per);
-      if (r0 >= r1) continue;
-      const int64_t R = (r1 - r0) * G;
+      // This task's rows u0 .. u1 of the request (whole groups of four, near-equal chunks; empty past them).
+      const int64_t groups = (ql * G + 3) / 4, per = (groups + chunks - 1) / chunks;
+      const int64_t u0 = std::min(ql * G, chunk * per * 4), u1 = std::min(ql * G, u0 + per * 4);
+      if (u0 >= u1) continue;
+      const int64_t R = u1 - u0, r0 = u0 / G, r1 = (u1 - 1) / G + 1;  // rows; queries r0 .. r1 touched
       const int64_t* blocks = block_table + reqs[i] * bt_stride;
       const uint8_t* mask = mask_offset[i] >= 0 ? masks + mask_offset[i] : nullptr;
-      // Query rows rr = (r - r0) * G + h: query r of the request, head g * G + h, pre-scaled, as float32.
+      // Task row rr = u - u0: query u / G of the request, head g * G + u % G, pre-scaled, as float32.
       q.assign((R + 3) / 4 * 4 * D, 0.f);  // whole blocks of four rows for the score product
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t h = 0; h < G; ++h) {
-          const T* src = query + ((q_start[i] + r) * H + g * G + h) * D;
-          for (int64_t d = 0; d < D; ++d) q[((r - r0) * G + h) * D + d] = to_float(src[d]) * scale;
-        }
+      for (int64_t u = u0; u < u1; ++u) {
+        const T* src = query + ((q_start[i] + u / G) * H + g * G + u % G) * D;
+        for (int64_t d = 0; d < D; ++d) q[(u - u0) * D + d] = to_float(src[d]) * scale;
+      }
       pos.resize(ql);
       int64_t first_key = 0;
       if (window > 0) {
@@ -92,7 +155,9 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
         }
         first_key = std::max<int64_t>(0, min_pos - window + 1);
       }
-      scores.assign(R * L, -std::numeric_limits<float>::infinity());
+      // Whole groups of four rows; the rows past R stay 0 (they add nothing, and are not stored).
+      scores.assign((R + 3) / 4 * 4 * L, -std::numeric_limits<float>::infinity());
+      std::fill(scores.begin() + R * L, scores.end(), 0.f);
       // Whether query r sees key j (causal or tree mask among the new keys, sliding window).
       auto visible = [&](int64_t r, int64_t j) {
         const int64_t nj = j - ctx;  // index among the new keys, negative for context
@@ -101,39 +166,69 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
         return !(window > 0 && pos[r] - key_pos >= window);
       };
 #ifdef __AVX512F__
-      // Scores as a small matrix product: the task's keys widened once into kt [D, nk] (transposed, nk a
-      // multiple of 16, zero-padded), then 16 keys x up to 4 query rows per step, one float32 FMA chain
-      // per score over d = 0 .. D - 1 (a dot product per (query, key) spent most of its time in
-      // horizontal sums). A score's sum does not depend on the other rows or keys.
-      const int64_t nk = ((L - first_key) + 15) / 16 * 16;
-      kt.assign(D * nk, 0.f);
-      for (int64_t j = first_key; j < L; ++j) {
-        const T* k = k_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * nk + (j - first_key)] = to_float(k[d]);
-      }
-      alignas(64) float block[4][16];
-      for (int64_t jb = 0; jb < nk; jb += 16) {
+      // Element offsets of keys / values first_key .. L - 1 of KV head g in the paged caches.
+      off.resize(L - first_key);
+      for (int64_t j = first_key; j < L; ++j)
+        off[j - first_key] = ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+      // Scores as a small matrix product, 16 keys at a time: the keys widened and transposed into the
+      // tile kt [D, 16] (in registers, 16 x 16 at a time, where D is a multiple of 16), then up to 4 query
+      // rows per step, one float32 FMA chain per score over d = 0 .. D - 1 (a dot product per (query, key)
+      // spent most of its time in horizontal sums). A score's sum does not depend on the other rows or
+      // keys, nor on how the tile was filled.
+      constexpr int64_t kTile = 32;  // keys per tile: two 16-lane vectors per query row
+      kt.resize(D * kTile);
+      alignas(64) float block[4][kTile];
+      for (int64_t jb = first_key; jb < L; jb += kTile) {
+        const int64_t nkeys = std::min<int64_t>(kTile, L - jb);
+        const int64_t* ob = &off[jb - first_key];
+        if (D % 16 == 0) {
+          for (int64_t half = 0; half < kTile; half += 16)
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {
+              __m512 rows[16];
+              for (int64_t c = 0; c < 16; ++c)
+                rows[c] = half + c < nkeys ? load16(k_cache + ob[half + c] + d0) : _mm512_setzero_ps();
+              transpose16(rows);
+              for (int64_t t = 0; t < 16; ++t) _mm512_storeu_ps(&kt[(d0 + t) * kTile + half], rows[t]);
+            }
+        } else {
+          for (int64_t c = 0; c < kTile; ++c)
+            for (int64_t d = 0; d < D; ++d) kt[d * kTile + c] = c < nkeys ? to_float(k_cache[ob[c] + d]) : 0.f;
+        }
         for (int64_t rr0 = 0; rr0 < R; rr0 += 4) {
           const int64_t nr = std::min<int64_t>(4, R - rr0);
           // Four rows always (q holds zero rows past R), so the accumulators stay in registers.
           const float* q0 = &q[rr0 * D];
-          __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
           for (int64_t d = 0; d < D; ++d) {
-            const __m512 kd = _mm512_loadu_ps(&kt[d * nk + jb]);
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), kd, a0);
-            a1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d]), kd, a1);
-            a2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d]), kd, a2);
-            a3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d]), kd, a3);
+            const __m512 kd = _mm512_loadu_ps(&kt[d * kTile]), ke = _mm512_loadu_ps(&kt[d * kTile + 16]);
+            const __m512 x0 = _mm512_set1_ps(q0[d]), x1 = _mm512_set1_ps(q0[D + d]);
+            const __m512 x2 = _mm512_set1_ps(q0[2 * D + d]), x3 = _mm512_set1_ps(q0[3 * D + d]);
+            a0 = _mm512_fmadd_ps(x0, kd, a0);
+            a1 = _mm512_fmadd_ps(x1, kd, a1);
+            a2 = _mm512_fmadd_ps(x2, kd, a2);
+            a3 = _mm512_fmadd_ps(x3, kd, a3);
+            b0 = _mm512_fmadd_ps(x0, ke, b0);
+            b1 = _mm512_fmadd_ps(x1, ke, b1);
+            b2 = _mm512_fmadd_ps(x2, ke, b2);
+            b3 = _mm512_fmadd_ps(x3, ke, b3);
           }
           _mm512_store_ps(block[0], a0);
           _mm512_store_ps(block[1], a1);
           _mm512_store_ps(block[2], a2);
           _mm512_store_ps(block[3], a3);
+          _mm512_store_ps(block[0] + 16, b0);
+          _mm512_store_ps(block[1] + 16, b1);
+          _mm512_store_ps(block[2] + 16, b2);
+          _mm512_store_ps(block[3] + 16, b3);
+          if (jb + kTile <= ctx && window == 0 && softcap == 0.f) {  // context keys, seen by every row
+            for (int64_t i = 0; i < nr; ++i) std::memcpy(&scores[(rr0 + i) * L + jb], block[i], sizeof block[i]);
+            continue;
+          }
           for (int64_t i = 0; i < nr; ++i) {
-            const int64_t rr = rr0 + i, r = r0 + rr / G;
-            for (int64_t c = 0; c < 16; ++c) {
-              const int64_t j = first_key + jb + c;
-              if (j >= L || !visible(r, j)) continue;
+            const int64_t rr = rr0 + i, r = (u0 + rr) / G;
+            for (int64_t c = 0; c < nkeys; ++c) {
+              const int64_t j = jb + c;
+              if ((j >= ctx || window > 0) && !visible(r, j)) continue;  // context keys: seen without a window
               float sc = block[i][c];
               if (softcap > 0.f) sc = softcap * std::tanh(sc / softcap);
               scores[rr * L + j] = sc;
@@ -145,13 +240,11 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
       for (int64_t j = first_key; j < L; ++j) {
         const T* k = k_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
         for (int64_t d = 0; d < D; ++d) kv[d] = to_float(k[d]);  // exact: the same sums as on k itself
-        for (int64_t r = r0; r < r1; ++r) {
-          if (!visible(r, j)) continue;
-          for (int64_t h = 0; h < G; ++h) {
-            float sc = dot(kv.data(), &q[((r - r0) * G + h) * D], D);
-            if (softcap > 0.f) sc = softcap * std::tanh(sc / softcap);
-            scores[((r - r0) * G + h) * L + j] = sc;
-          }
+        for (int64_t u = u0; u < u1; ++u) {
+          if (!visible(u / G, j)) continue;
+          float sc = dot(kv.data(), &q[(u - u0) * D], D);
+          if (softcap > 0.f) sc = softcap * std::tanh(sc / softcap);
+          scores[(u - u0) * L + j] = sc;
         }
       }
 #endif
@@ -159,21 +252,18 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
       acc.assign(R * D, 0.f);
 #ifdef __AVX512F__
       if (D % 16 == 0) {
-        // Values widened once into vf [L - first_key, D]; each output row summed over the keys in
-        // registers (the same products added in the same order as the axpy loop below, key by key).
-        vf.resize((L - first_key) * D);
-        for (int64_t j = first_key; j < L; ++j) {
-          const T* v = v_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
-          for (int64_t d = 0; d < D; ++d) vf[(j - first_key) * D + d] = to_float(v[d]);
-        }
-        for (int64_t rr = 0; rr < R; ++rr) {
+        // Each output row summed over the keys in registers, the values read from the cache and widened
+        // as they are read (the same products added in the same order as the axpy loop below).
+        for (int64_t rr = 0; rr < R; rr += 4) {
+          const int64_t nr = std::min<int64_t>(4, R - rr);
           const float* prow = &scores[rr * L];
           float* dst = &acc[rr * D];
           switch (D / 16) {  // accumulators in registers: a compile-time count of them
-            case 4: weighted_values<4>(prow, first_key, L, vf.data(), dst); break;
-            case 8: weighted_values<8>(prow, first_key, L, vf.data(), dst); break;
+            case 4: weighted_values<4>(prow, L, nr, first_key, v_cache, off.data(), dst, D); break;
+            case 8: weighted_values<8>(prow, L, nr, first_key, v_cache, off.data(), dst, D); break;
             default:
-              for (int64_t c = 0; c < D; c += 16) weighted_values<1>(prow, first_key, L, vf.data() + c, dst + c, D);
+              for (int64_t c = 0; c < D; c += 16)
+                weighted_values<1>(prow, L, nr, first_key, v_cache + c, off.data(), dst + c, D);
           }
         }
       } else
@@ -188,11 +278,10 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
           }
         }
       }
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t h = 0; h < G; ++h) {
-          T* dst = out + ((q_start[i] + r) * H + g * G + h) * D;
-          for (int64_t d = 0; d < D; ++d) from_float(acc[((r - r0) * G + h) * D + d], dst + d);
-        }
+      for (int64_t u = u0; u < u1; ++u) {
+        T* dst = out + ((q_start[i] + u / G) * H + g * G + u % G) * D;
+        for (int64_t d = 0; d < D; ++d) from_float(acc[(u - u0) * D + d], dst + d);
+      }
     }
   });
 }

@@ -107,21 +107,25 @@ def test_float32_equals_reference(requests, group, block_size, head_dim, seed, w
 
 @needs_kernel
 @pytest.mark.parametrize("window", [None, 4])
-def test_query_chunks_do_not_change_outputs(window):
-    """With fewer (request, KV head) pairs than 4 per thread the kernel splits each request's queries into
-    chunks (a 16-node tree on 2 threads: 3 chunks per KV head); rows are independent, so one thread (fewer
-    chunks) and three (more) give the same bits, with a sliding window read from tree depths too."""
-    inputs = _batch([(16, 90, True)], 9, 3, 64, 16, torch.bfloat16, seed=3)
+@pytest.mark.parametrize(
+    "spec", [(16, 90, True), (5, 700, False), (1, 700, False)], ids=["tree", "chain", "decode"]
+)
+def test_row_chunks_do_not_change_outputs(window, spec):
+    """Where the threads would be uneven the kernel splits a request's rows (query x query head) into
+    chunks of whole groups of four (a 16-node tree or a chain of 5 of SmolLM2's shape on 2 threads: 2
+    chunks per KV head); rows are independent, so one thread (no chunks), two and three give the same
+    bits, also with a sliding window read from tree depths, over more than one 32-key tile of context."""
+    inputs = _batch([spec], 9, 3, 64, 16, torch.bfloat16, seed=3)
     extra = {} if window is None else {"sliding_window": window}
     threads = torch.get_num_threads()
     outs = []
     try:
-        for n in (1, 3):
+        for n in (1, 2, 3):
             torch.set_num_threads(n)
             outs.append(_run(CpuAttention(), *inputs, **extra))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     want = _run(ReferenceAttention(), *inputs, dtype=torch.float32, **extra)
     torch.testing.assert_close(outs[0].float(), want, rtol=2**-7, atol=2e-3)
 
