@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from sampling.sampler import exponential_noise
+from sampling.sampler import argmax_rows, exponential_noise
 
 if TYPE_CHECKING:
     from sampling.verifier import VerifyInput
@@ -233,7 +233,7 @@ class RejectionSampler:
         :meth:`_race`."""
         results: list[VerifyResult] = []
         greedy_rows = [i for i, g in enumerate(greedy) if g]
-        argmax = target_probs.argmax(dim=-1).tolist() if greedy_rows else []
+        argmax = argmax_rows(target_probs).tolist() if greedy_rows else []
         start = 0
         for i, drafts in enumerate(draft_token_ids):
             m = len(drafts)
@@ -299,4 +299,4 @@ class RejectionSampler:
         if not (total > _TINY and total < float("inf")):
             weights = fallback
         noise = exponential_noise((1, weights.shape[0]), [generator], generator, weights.device)[0]
-        return int(weights.div(noise.clamp_(min=_TINY)).argmax())
+        return int(argmax_rows(weights.div(noise.clamp_(min=_TINY))))

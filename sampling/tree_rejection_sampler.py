@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sampling.rejection_sampler import RejectionSampler, VerifyResult
+from sampling.sampler import argmax_rows
 from sampling.token_tree import TokenTree
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def verify_tree(
     accepted: list[int] = []
     node = -1
     if greedy:
-        argmax = target_probs.argmax(dim=-1).tolist()
+        argmax = argmax_rows(target_probs).tolist()
         while True:
             best = argmax[node + 1]
             nxt = next((c for c in children.get(node, ()) if tokens[c] == best), None)

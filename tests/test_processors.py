@@ -31,7 +31,7 @@ from sampling.processors import (
     build_sampling_metadata,
     process_logits,
 )
-from sampling.sampler import sample
+from sampling.sampler import argmax_rows, sample
 from tests.hf_reference import hf_processors
 
 V = 64
@@ -266,3 +266,23 @@ def test_logprobs_equal_log_softmax_of_the_processed_distribution():
     top5 = ref[0].topk(5).indices.tolist()
     assert set(top5) <= set(out[0])
     assert len(out[1]) == 1 and len(out[2]) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.sampled_from([1, 7, 64, 49152]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    levels=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    nan=st.booleans(),
+)
+def test_argmax_rows_equals_argmax_with_ties_and_nan(rows, vocab, dtype, levels, seed, nan):
+    """The greedy token everywhere (sampler, verifiers, drafters): torch.max's indices must be argmax's
+    first maximum, on rows of few distinct values (many ties) and with NaN (argmax picks it)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, vocab), generator=g).to(dtype)
+    if nan:
+        x[0, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert int(argmax_rows(x[-1])) == int(x[-1].argmax())

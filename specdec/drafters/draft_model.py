@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sampling.processors import RowGroup, build_sampling_metadata, process_logits
-from sampling.sampler import sample_from_probs
+from sampling.sampler import argmax_rows, sample_from_probs
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
 from specdec.drafters.registry import register_drafter
@@ -65,7 +65,7 @@ def draw_draft_tokens(
     ]
     meta = build_sampling_metadata(groups, logits.shape[-1], logits.device)
     processed = process_logits(logits, meta)
-    tokens = processed.argmax(dim=-1).tolist()
+    tokens = argmax_rows(processed).tolist()
     probs: list[torch.Tensor | None] = [None] * len(reqs)
     random = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
     if random:

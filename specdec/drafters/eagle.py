@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from sampling.sampler import argmax_rows
 from specdec.attention.base import AttentionMetadata
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
 from specdec.drafters.draft_vocab import DraftVocab
@@ -195,7 +196,7 @@ class EagleDrafter(DrafterBase):
         """One chain draft per row of ``logits`` ``[R, V']`` (row r drafts for ``batch[r]``, whose
         ``proposals[r]`` holds its drafts so far): EAGLE drafts the top-1 token (``draft_probs`` stay
         None: deterministic drafts)."""
-        return self._to_target(logits.argmax(dim=-1)).tolist()
+        return self._to_target(argmax_rows(logits)).tolist()
 
     def _run(self, segments: list[Segment], features: torch.Tensor) -> torch.Tensor:
         """Head forward over paged segments whose ``token_ids`` are the ``x_{t+1}``; returns the predicted

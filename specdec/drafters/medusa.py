@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from sampling.sampler import argmax_rows
 from specdec.config import MAX_TREE_NODES, SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
 from specdec.drafters.draft_vocab import DraftVocab
@@ -129,7 +130,7 @@ class MedusaDrafter(DrafterBase):
             logits = self.vocab.logits(hidden)  # [B, depth, V'] float32
         to_target = (lambda i: i) if self.vocab is None else self.vocab.to_target
         if self.tree is None:
-            tokens = to_target(logits.argmax(dim=-1)).tolist()
+            tokens = to_target(argmax_rows(logits)).tolist()
             for row, i in enumerate(drafting):
                 proposals[i] = DraftProposal(tokens[row][: batch[i].max_drafts])
             return proposals

@@ -194,8 +194,13 @@ def sample_or_verify(
     if not any(s.draft_token_ids for s in sampling):
         tokens = sample(processed, batch.greedy, [s.request.generator for s in sampling], generator)
         return [VerifyResult([t], 0) for t in tokens.tolist()]
-    greedy_mask = torch.tensor(batch.greedy, device=processed.device)[:, None]
-    target_probs = torch.where(greedy_mask, processed, torch.softmax(processed, dim=-1))
+    if all(batch.greedy):  # only the argmax of each row is read: no softmax
+        target_probs = processed
+    else:
+        greedy_mask = torch.tensor(batch.greedy, device=processed.device)[:, None]
+        target_probs = torch.softmax(processed, dim=-1)
+        if any(batch.greedy):
+            target_probs = torch.where(greedy_mask, processed, target_probs)
     inputs = [
         VerifyInput(
             s.draft_token_ids,

@@ -16,8 +16,9 @@ row 18-24 GB/s of codes against torch's 9-12, i.e. about half the time of the bf
 ``docs/kernels.md``), where it builds; the rest of this docstring is about torch's kernels, which serve
 where it does not (and ``kernel="packed"``).
 
-Which path runs, and why (``kernel="auto"``, without the project's int8 kernel). Measured with one thread on this project's 2-core CPU
-(shared with other jobs while measured, so indicative only; the ratios were stable across reruns),
+Which path runs, and why (``kernel="auto"``, without the project's int8 kernel). Measured with one thread
+on this project's 2-core CPU (shared with other jobs while measured, so indicative only; the ratios were
+stable across reruns),
 milliseconds per call, weights cycled through enough copies to defeat the caches (``python -m
 experiments.bench_quant kernels=true`` reruns it):
 
