@@ -121,7 +121,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
   int64_t chunks = 1;
   while (chunks < max_groups && (m * KVH * chunks) % threads != 0 && m * KVH * chunks < 4 * threads) ++chunks;
   at::parallel_for(0, m * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> q, scores, acc, kt, kv(D);
+    std::vector<float> q, scores, acc, kt, compact, kv(D);
     std::vector<int64_t> off;  // element offsets of the task's keys / values in the caches
     std::vector<int64_t> pos;  // positions of the request's new tokens
     for (int64_t task = t0; task < t1; ++task) {
@@ -248,7 +248,29 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
         }
       }
 #endif
-      for (int64_t rr = 0; rr < R; ++rr) softmax_inplace(&scores[rr * L], L);
+      // Softmax per row. A tree row's visible new keys (its ancestors and itself, in node order, which is
+      // depth order) are first moved together, to the places a decode row at the same depth has them (ctx,
+      // ctx + 1, ...): the softmax sums in vector lanes by place, so the row's probabilities then equal that
+      // decode row's bit for bit (with the masked siblings in between, its sums could round differently and
+      // a token tree's greedy output part from plain decoding's). Chain rows have their masked keys after
+      // the visible ones, which the softmax's lane-by-place tail already makes harmless.
+      for (int64_t rr = 0; rr < R; ++rr) {
+        float* row = &scores[rr * L];
+        if (!mask) {
+          softmax_inplace(row, L);
+          continue;
+        }
+        const uint8_t* seen = mask + ((u0 + rr) / G) * ql;
+        compact.resize(L);
+        std::copy(row, row + ctx, compact.begin());
+        int64_t n = ctx;
+        for (int64_t c = 0; c < ql; ++c)
+          if (seen[c]) compact[n++] = row[ctx + c];
+        softmax_inplace(compact.data(), n);
+        std::copy(compact.begin(), compact.begin() + ctx, row);
+        n = ctx;
+        for (int64_t c = 0; c < ql; ++c) row[ctx + c] = seen[c] ? compact[n++] : 0.f;
+      }
       acc.assign(R * D, 0.f);
 #ifdef __AVX512F__
       if (D % 16 == 0) {

@@ -131,6 +131,48 @@ def test_row_chunks_do_not_change_outputs(window, spec):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context", [0, 37, 300])
+def test_a_tree_row_equals_the_decode_row_of_its_branch_bit_for_bit(dtype, context):
+    """A token tree's node attends to the context and to its ancestors; plain decoding of that branch
+    attends to the same keys, with the ancestors consecutive. Their outputs must be equal to the bit, or a
+    tree's greedy output parts from plain decoding's at near-ties (the softmax sums in vector lanes by a
+    key's place: the kernel moves a tree row's visible keys to a decode row's places first)."""
+    heads, kv_heads, head_dim, bs, n = 9, 3, 64, 16, 16
+    g = torch.Generator().manual_seed(context)
+    tree = _random_tree_mask(n, g)
+    total = context + n
+    k_ctx = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    v_ctx = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+    query = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+
+    def attend(keys, values, queries, mask):
+        """The kernel on one request whose keys are ``keys`` (the last ``len(queries)`` new)."""
+        L, q = keys.shape[0], queries.shape[0]
+        blocks = -(-L // bs)
+        k_cache = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        k_cache.view(-1, kv_heads, head_dim)[:L] = keys
+        v_cache.view(-1, kv_heads, head_dim)[:L] = values
+        out = torch.empty_like(queries)
+        one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+        masks = mask.to(torch.uint8).flatten() if mask is not None else torch.empty(0, dtype=torch.uint8)
+        cpu_attention.paged_attention_short(
+            queries, k_cache, v_cache, torch.arange(blocks).view(1, -1), one(0), one(0), one(q), one(L),
+            one(0 if mask is not None else -1), masks, out, head_dim**-0.5,
+        )  # fmt: skip
+        return out
+
+    tree_out = attend(k_ctx, v_ctx, query, tree)
+    for node in range(n):
+        branch = [context + a for a in range(n) if tree[node, a]]  # ancestors and the node, by depth
+        keys = torch.cat([k_ctx[:context], k_ctx[branch]])
+        values = torch.cat([v_ctx[:context], v_ctx[branch]])
+        decode_out = attend(keys, values, query[node : node + 1], None)
+        assert torch.equal(tree_out[node], decode_out[0]), node
+
+
+@needs_kernel
 def test_bfloat16_within_one_rounding_of_float32():
     specs = [(1, 37, False), (5, 60, False), (6, 20, True), (40, 55, False), (1, 1, False), (16, 200, True)]
     inputs = _batch(specs, 9, 3, 64, 16, torch.bfloat16, seed=7)
