@@ -36,6 +36,10 @@ class AttentionMetadata:
         new_token_masks: per request, ``None`` (causal among its new tokens) or a ``[query_len,
             query_len]`` bool tensor: ``mask[i, j]`` is True when new token ``i`` may attend to new token
             ``j`` (a token tree's attention mask). Every new token always sees the whole context.
+        draft_lens: per request, how many of its new tokens (the last ones) are drafts being verified, or
+            None (no drafts). The CPU and reference backends attend those rows as short queries even
+            when they follow a long prefill chunk, so a verification row's bits do not depend on whether
+            the drafts came with the prompt's last chunk or in a decode step.
     """
 
     query_start_loc: torch.Tensor
@@ -45,6 +49,7 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens_host: list[int]
     new_token_masks: list[torch.Tensor | None] | None = None
+    draft_lens: list[int] | None = None
     #: Backend-private values derived from the fields above, computed once per forward (not per layer).
     backend_cache: dict = field(default_factory=dict)
 

@@ -52,6 +52,8 @@ class Segment:
             nodes share positions by depth); None for consecutive positions.
         mask: ``[len(token_ids), len(token_ids)]`` bool attention mask among the new tokens (a tree
             attention mask); None for causal.
+        num_drafts: how many of the new tokens (the last ones) are drafts to verify
+            (:attr:`~kernels.attention_metadata.AttentionMetadata.draft_lens`).
     """
 
     block_ids: list[int]
@@ -60,6 +62,7 @@ class Segment:
     num_logits: int
     positions: list[int] | None = None
     mask: torch.Tensor | None = None
+    num_drafts: int = 0
 
 
 #: Batches of at most this many new tokens are built from Python lists (:func:`_list_inputs`).
@@ -129,6 +132,7 @@ def _batch_inputs(segments: list[Segment], bs: int, device: torch.device) -> Mod
         query_lens=query_lens,
         seq_lens_host=seq_lens,
         new_token_masks=None if all(s.mask is None for s in segments) else [s.mask for s in segments],
+        draft_lens=_draft_lens(segments),
     )
     return ModelInputs(
         input_ids=torch.tensor(
@@ -138,6 +142,10 @@ def _batch_inputs(segments: list[Segment], bs: int, device: torch.device) -> Mod
         metadata=metadata,
         logits_indices=logits_rows.to(device),
     )
+
+
+def _draft_lens(segments: list[Segment]) -> list[int] | None:
+    return [seg.num_drafts for seg in segments] if any(seg.num_drafts for seg in segments) else None
 
 
 def _list_inputs(segments: list[Segment], bs: int, device: torch.device) -> ModelInputs:
@@ -169,6 +177,7 @@ def _list_inputs(segments: list[Segment], bs: int, device: torch.device) -> Mode
         query_lens=query_lens,
         seq_lens_host=seq_lens,
         new_token_masks=None if all(s.mask is None for s in segments) else [s.mask for s in segments],
+        draft_lens=_draft_lens(segments),
     )
     return ModelInputs(
         input_ids=torch.tensor(
@@ -297,7 +306,7 @@ class ModelRunner:
             n = s.num_new_tokens
             tokens = req.token_ids[start : start + n] + list(s.draft_token_ids)
             num_logits = 1 + len(s.draft_token_ids) if s.sample else 0
-            seg = Segment(req.block_ids, start, tokens, num_logits)
+            seg = Segment(req.block_ids, start, tokens, num_logits, num_drafts=len(s.draft_token_ids))
             tree = s.draft_tree
             if tree is not None:
                 root = start + n - 1

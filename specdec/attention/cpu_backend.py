@@ -17,7 +17,7 @@ import torch
 from kernels import cpu_attention
 from kernels.attention_metadata import AttentionMetadata
 from kernels.cpu_attention import ShortQueries
-from specdec.attention.reference import ReferenceAttention, _Plan, _plan
+from specdec.attention.reference import ReferenceAttention, _Plan, _plan, short_mask
 
 __all__ = ["CpuAttention"]
 
@@ -25,9 +25,8 @@ __all__ = ["CpuAttention"]
 def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> ShortQueries:
     columns = torch.tensor(plan.short, dtype=torch.int64).T.contiguous()  # [4, m]: b, start, q_len, seq_len
     offsets, flat, at = [], [], 0
-    masks = metadata.new_token_masks
-    for b, _, q_len, _ in plan.short:
-        mask = None if masks is None else masks[b]
+    for b, start, q_len, _ in plan.short:
+        mask = short_mask(metadata, b, start, q_len)
         if mask is None:
             offsets.append(-1)
             continue

@@ -131,6 +131,31 @@ class _Plan:
     window: int | None = None
 
 
+def _split_drafts(metadata: AttentionMetadata, b: int, q_len: int, custom: torch.Tensor | None) -> int:
+    """How many trailing rows of request ``b`` to attend as short queries apart from its long chunk: its
+    drafts (``metadata.draft_lens``) when the chunk is longer than :data:`BATCHED_QUERY_MAX`, the drafts
+    fit one short query, and they see every earlier new token (a tree's nodes do); else 0."""
+    drafts = metadata.draft_lens[b] if metadata.draft_lens is not None else 0
+    if not (0 < drafts <= BATCHED_QUERY_MAX < q_len):
+        return 0
+    if custom is not None and not bool(custom[q_len - drafts :, : q_len - drafts].all()):
+        return 0
+    return drafts
+
+
+def short_mask(metadata: AttentionMetadata, b: int, start: int, q_len: int) -> torch.Tensor | None:
+    """The ``[q_len, q_len]`` tree attention mask of the short query of request ``b`` at flattened rows
+    ``start:start + q_len`` (all its new tokens; or, split by :func:`_split_drafts`, its chunk or its
+    drafts), or None (causal)."""
+    masks = metadata.new_token_masks
+    custom = None if masks is None else masks[b]
+    if custom is None or custom.shape[0] == q_len:
+        return custom
+    if start == sum(metadata.query_lens[:b]):  # the chunk before the drafts
+        return custom[:q_len, :q_len]
+    return custom[-q_len:, -q_len:]
+
+
 def _plan(
     metadata: AttentionMetadata,
     block_size: int,
@@ -148,6 +173,11 @@ def _plan(
     start = 0
     for b, (q_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens_host)):
         custom = None if masks is None else masks[b]
+        drafts = _split_drafts(metadata, b, q_len, custom)
+        if drafts:  # a prefill chunk, then its drafts as short queries (a decode step's bits)
+            short.append((b, start + q_len - drafts, drafts, seq_len))
+            q_len, seq_len = q_len - drafts, seq_len - drafts
+            custom = None if custom is None else custom[:q_len, :q_len]
         if q_len <= BATCHED_QUERY_MAX:
             short.append((b, start, q_len, seq_len))
         else:
@@ -169,7 +199,7 @@ def _plan(
                     mask &= window_allowed(q_pos, k_pos, window).to(device)  # type: ignore[arg-type]
                     mask = mask[:, key_start:]
             prefills.append(_Prefill(start, q_len, seq_len, blocks, mask, key_start))
-        start += q_len
+        start += q_len + drafts
     if not short or not batch_short:
         return _Plan(prefills, None, short, window)
     m = len(short)
@@ -197,11 +227,12 @@ def _plan(
         q_pos = (ctx + r)[:, :, 0]  # [m, max_q]
         k_pos = j[0].expand(m, max_seq).clone()  # [m, max_seq]
         if masks is not None:
-            for i, (b, _, ql, sl) in enumerate(short):
-                if masks[b] is not None:  # a tree attention mask among the new tokens
+            for i, (b, st, ql, sl) in enumerate(short):
+                tree = short_mask(metadata, b, st, ql)
+                if tree is not None:  # a tree attention mask among the new tokens
                     c = sl - ql
-                    mask[i, :ql, c:sl] = _new_token_mask(ql, masks[b], "cpu")  # type: ignore[arg-type]
-                    q_pos[i, :ql] = k_pos[i, c:sl] = new_token_positions(ql, c, masks[b])
+                    mask[i, :ql, c:sl] = _new_token_mask(ql, tree, "cpu")  # type: ignore[arg-type]
+                    q_pos[i, :ql] = k_pos[i, c:sl] = new_token_positions(ql, c, tree)
         if window is not None:
             mask &= window_allowed(q_pos, k_pos, window)
         mask |= ~valid_row & (j == 0)

@@ -1,0 +1,51 @@
+"""A verification row's logits do not depend on whether its drafts came with the prompt's last prefill
+chunk (drafters with their own prefill, like a draft model or the quantized self-drafter, propose at that
+step) or in a decode step: the CPU backend attends the drafts as short queries apart from the chunk
+(``AttentionMetadata.draft_lens``), so the rows equal decode rows bit for bit in bfloat16, where one
+rounding apart flips a greedy choice at a near-tie. On the real SmolLM2 (the tiny random models' rows
+happen to agree either way); the negative control (the drafts left in the chunk's SDPA call) must differ
+(by up to 0.375 in a logit here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.llm import LLM
+from specdec.model_runner import Segment, build_inputs
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_dir):
+    llm = LLM(smollm2_dir, skip_tokenizer_init=True, dtype="bfloat16", device="cpu")
+    return llm.engine.runner
+
+
+def _rows(runner, prompt: int, drafts: int, num_drafts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the chunk's last row and its drafts in one forward, and of the same rows decoded one by
+    one after the chunk alone (in other blocks of the same cache)."""
+    bs = runner.block_size
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 49152, (prompt + drafts,), generator=g).tolist()
+    per = -(-(prompt + drafts) // bs)
+    with_drafts, alone = list(range(per)), list(range(per, 2 * per))
+    with torch.inference_mode():
+        seg = Segment(with_drafts, 0, ids, drafts + 1, num_drafts=num_drafts)
+        together = runner.execute(build_inputs([seg], bs, runner.device)).clone()
+        chunk = Segment(alone, 0, ids[:prompt], 1)
+        rows = [runner.execute(build_inputs([chunk], bs, runner.device))[0].clone()]
+        for j in range(drafts):
+            seg = Segment(alone, prompt + j, ids[prompt + j : prompt + j + 1], 1)
+            rows.append(runner.execute(build_inputs([seg], bs, runner.device))[0].clone())
+    return together, torch.stack(rows)
+
+
+@pytest.mark.parametrize("prompt", [30, 40, 77])
+def test_drafts_after_a_prefill_chunk_equal_decode_rows(runner, prompt):
+    together, decoded = _rows(runner, prompt, 4, 4, seed=prompt)
+    assert torch.equal(together, decoded)
+
+
+def test_negative_control_drafts_inside_the_chunk_differ(runner):
+    together, decoded = _rows(runner, 77, 4, 0, seed=77)
+    assert not torch.equal(together[1:], decoded[1:])
