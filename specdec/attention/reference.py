@@ -2,8 +2,11 @@
 
 This is the CPU path and the ground truth that the Triton kernels are tested against. Requests with a
 short query (decode, draft verification: ``query_len <= BATCHED_QUERY_MAX``) are padded into one batched
-SDPA call; prefill chunks run one SDPA call each, without padding waste. Index tensors and masks depend
-only on the batch, so they are built once per forward and reused by every layer.
+SDPA call; prefill chunks run one SDPA call each, without padding waste. Drafts verified right after a
+long prefill chunk (``AttentionMetadata.draft_lens``: a draft model proposes with the prompt's last
+chunk) join the short queries, apart from the chunk, so their rows are computed as in a decode step.
+Index tensors and masks depend only on the batch, so they are built once per forward and reused by every
+layer.
 
 An int8 KV cache (``kv_cache_dtype="int8"``, layout in :mod:`specdec.quantization.kv_cache`) is
 quantized on write at the slot mapping and dequantized on read. Every query then reads its keys and

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec.llm import LLM
-from specdec.model_runner import Segment, build_inputs
+from specdec.model_runner import Segment, build_inputs, select_attention_backend
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,32 @@ def test_drafts_after_a_prefill_chunk_equal_decode_rows(runner, prompt):
 def test_negative_control_drafts_inside_the_chunk_differ(runner):
     together, decoded = _rows(runner, 77, 4, 0, seed=77)
     assert not torch.equal(together[1:], decoded[1:])
+
+
+@pytest.mark.parametrize("attention", ["cpu", "reference"])
+@pytest.mark.parametrize("prompt", [30, 40])
+def test_split_drafts_agree_with_the_unsplit_forward_for_chains_and_trees(tiny_model_dirs, attention, prompt):
+    """The split itself changes no mathematics: float32 logits of a chunk followed by a chain or a token
+    tree (its mask's tree block after the chunk's causal block) agree with the unsplit forward to float32
+    rounding, on both CPU backends, also where the chunk left behind is short (30 tokens)."""
+    from sampling.token_tree import TokenTree
+
+    llm = LLM(tiny_model_dirs["llama-gqa3-tied"], skip_tokenizer_init=True, dtype="float32", device="cpu")
+    llm.engine.runner.attention = select_attention_backend(torch.device("cpu"), attention)
+    runner, bs = llm.engine.runner, llm.engine.runner.block_size
+    g = torch.Generator().manual_seed(prompt)
+    tree = TokenTree([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 1, 2])
+    for drafts, mask in ((4, None), (6, tree.attention_mask(num_prefix=prompt))):
+        ids = torch.randint(3, 128, (prompt + drafts,), generator=g).tolist()
+        blocks = list(range(-(-(prompt + drafts) // bs)))
+        positions = None
+        if mask is not None:
+            positions = list(range(prompt)) + [prompt - 1 + d for d in tree.position_offsets()]
+        out = []
+        with torch.inference_mode():
+            for num_drafts in (drafts, 0):
+                seg = Segment(
+                    blocks, 0, ids, drafts + 1, positions=positions, mask=mask, num_drafts=num_drafts
+                )
+                out.append(runner.execute(build_inputs([seg], bs, runner.device)).clone())
+        torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
