@@ -165,11 +165,11 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
         const int64_t key_pos = (window > 0 && nj >= 0) ? pos[nj] : j;
         return !(window > 0 && pos[r] - key_pos >= window);
       };
-#ifdef __AVX512F__
       // Element offsets of keys / values first_key .. L - 1 of KV head g in the paged caches.
       off.resize(L - first_key);
       for (int64_t j = first_key; j < L; ++j)
         off[j - first_key] = ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+#ifdef __AVX512F__
       // Scores as a small matrix product, 16 keys at a time: the keys widened and transposed into the
       // tile kt [D, 16] (in registers, 16 x 16 at a time, where D is a multiple of 16), then up to 4 query
       // rows per step, one float32 FMA chain per score over d = 0 .. D - 1 (a dot product per (query, key)
@@ -238,7 +238,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
       }
 #else
       for (int64_t j = first_key; j < L; ++j) {
-        const T* k = k_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+        const T* k = k_cache + off[j - first_key];
         for (int64_t d = 0; d < D; ++d) kv[d] = to_float(k[d]);  // exact: the same sums as on k itself
         for (int64_t u = u0; u < u1; ++u) {
           if (!visible(u / G, j)) continue;
@@ -292,7 +292,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
 #endif
       {
         for (int64_t j = first_key; j < L; ++j) {
-          const T* v = v_cache + ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+          const T* v = v_cache + off[j - first_key];
           for (int64_t d = 0; d < D; ++d) kv[d] = to_float(v[d]);
           for (int64_t rr = 0; rr < R; ++rr) {
             const float p = scores[rr * L + j];

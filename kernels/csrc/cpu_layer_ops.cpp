@@ -7,8 +7,8 @@
 // reference's roundings (kernels/cpu_layer_ops.py: float32 arithmetic, results rounded to the input dtype
 // where the reference rounds them), so bfloat16 outputs equal the reference's except where a reduction
 // or exp() rounds its last float32 bit differently (SiLU takes exp eight lanes at a time, exp8 of
-// cpu_simd.h, within about 1 ulp of std::exp). Rows are independent: at::parallel_for over rows,
-// inline for the few rows of decode and verification.
+// cpu_simd.h, within about 1 ulp of std::exp). Rows are independent: at::parallel_for over rows in tasks
+// of kRowGrain (up to 4 rows, a decode row among them, run inline on the calling thread).
 //
 // Floating-point contraction is off in this file: the reference rounds a * b before adding c, and a fused
 // multiply-add would not.
@@ -26,8 +26,8 @@ namespace {
 inline float f32(float v) { return v; }
 inline float f32(at::BFloat16 v) { return static_cast<float>(v); }
 
-// Rows per parallel task: a decode row and a short chain run inline on the calling thread; a token tree's
-// 16 rows (and longer chains) split across threads (SiLU * up of 16 rows: 30 -> ~17 µs on 2 threads).
+// Rows per parallel task: up to 4 rows (a decode row) run inline on the calling thread; a k = 4 chain's 5
+// rows and a token tree's 16 split across threads (SiLU * up of 16 rows: 30 -> ~17 µs on 2 threads).
 constexpr int64_t kRowGrain = 4;
 
 #ifdef SPECDEC_AVX2

@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from specdec.drafters.eagle3_head import Eagle3Head, check_vocab_maps, default_feature_layers, vocab_maps
-from specdec.drafters.heads import HeadConfig, arch_fields, check_eagle3_fits
+from specdec.drafters.heads import HeadConfig, arch_fields, check_eagle3_fits, head_arch
 from specdec.errors import ConfigError, CorruptModelError, InvalidRequestError
 from specdec.models.config import ModelArchConfig
 
@@ -419,26 +419,23 @@ def _head_arch(
     num_kv = _int_field(path, "num_key_value_heads", getattr(hf, "num_key_value_heads", None) or num_heads)
     head_dim = _int_field(path, "head_dim", getattr(hf, "head_dim", None) or hidden // num_heads)
     inv_freq, scaling = _rope_inv_freq(hf, head_dim)
-    arch = dataclasses.replace(
-        target,
-        num_heads=num_heads,
-        num_kv_heads=num_kv,
-        head_dim=head_dim,
-        intermediate_size=_int_field(path, "intermediate_size", hf.intermediate_size),
-        rms_norm_eps=float(hf.rms_norm_eps),
-        hidden_act=str(getattr(hf, "hidden_act", "silu")),
-        inv_freq=tuple(inv_freq.tolist()),
-        rope_attention_scaling=float(scaling),
-        # a plain Llama-style layer, whatever the target's family (set from the weights: biases, qk_norm)
-        norm_style="llama",
-        post_norms=False,
-        query_pre_attn_scalar=None,
-        attn_logit_softcapping=None,
-        final_logit_softcapping=None,
-        sliding_window=None,
-        layer_types=(),
-        local_inv_freq=None,
-        local_rope_attention_scaling=1.0,
+    arch = head_arch(  # global attention without soft-capping, as every EAGLE head's layer
+        dataclasses.replace(
+            target,
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            intermediate_size=_int_field(path, "intermediate_size", hf.intermediate_size),
+            rms_norm_eps=float(hf.rms_norm_eps),
+            hidden_act=str(getattr(hf, "hidden_act", "silu")),
+            inv_freq=tuple(inv_freq.tolist()),
+            rope_attention_scaling=float(scaling),
+            # a plain Llama-style layer, whatever the target's family (set from the weights: biases, qk_norm)
+            norm_style="llama",
+            post_norms=False,
+            query_pre_attn_scalar=None,
+            final_logit_softcapping=None,
+        )
     )
     speculators_config = raw.get("speculators_config")
     verifier = speculators_config.get("verifier") if isinstance(speculators_config, dict) else None

@@ -368,3 +368,38 @@ def test_smollm2_bfloat16_speculation_equals_plain_decoding_with_amx(smollm2_dir
         got = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
         assert llm.engine.spec_stats.num_accepted_tokens > 0
         assert got == want, spec["method"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_stack_takes_int8_layers_bit_for_bit(dtype):
+    """An int8-quantized model (the quantized self-drafter's form) gets the C++ stack, whose output and
+    K/V equal the per-layer path's (QuantizedLinear on the same kernel) bit for bit."""
+    from kernels import cpu_decode_stack
+    from kernels.testing import make_paged_batch
+    from specdec.models.decoder import use_cpu_layer_ops
+    from specdec.quantization.apply import quantize_model
+    from specdec.quantization.config import QuantizationConfig
+
+    if not cpu_decode_stack.available():
+        pytest.skip("the layer stack does not build here")
+    model = quantize_model(_model(dtype), QuantizationConfig("int8"))
+    use_cpu_layer_ops(model)
+    assert model.decode_stack is not None and len(model.decode_stack) == 3
+    batch = make_paged_batch([(1, 13), (5, 9)], 4, 2, HEAD_DIM, block_size=4, dtype=dtype, write_new=False)
+    caches_ref = _caches(model, batch)
+    caches_got = [(k.clone(), v.clone()) for k, v in caches_ref]
+    calls = _count_stack_calls(model)
+    got, _ = _run(model, batch, caches_got)
+    assert calls == [1]
+    stack, model.decode_stack = model.decode_stack, None
+    want, _ = _run(model, batch, caches_ref)
+    model.decode_stack = stack
+    assert torch.equal(got, want)
+    for (kg, vg), (kr, vr) in zip(caches_got, caches_ref):
+        torch.testing.assert_close(kg, kr, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(vg, vr, rtol=0, atol=0, equal_nan=True)
+    # the codes swapped after the stack was built: it holds the old ones, so it steps aside
+    layer = model.layers[1].o_proj
+    layer.qweight = layer.qweight.clone()
+    _run(model, batch, [(k.clone(), v.clone()) for k, v in caches_ref])
+    assert calls == [1]
