@@ -12,11 +12,11 @@ ratio to the plain decode step:
 - ``tree``: a token tree of ``tree_nodes`` nodes (branching 2 at the root's first levels, then chains)
   with its tree attention mask and depth positions, one logits row per node.
 
-The end-to-end row runs the engine: greedy plain decoding against n-gram speculation (``k`` drafts) on
-a prompt that already contains the continuation (the model's own greedy answer, three times, then its
-start again: the model goes on repeating it), so prompt lookup's drafts are nearly always right (τ is
-reported): speedup ÷ τ is what a verified token costs
-against a decoded one (1.0 would be free verification).
+The end-to-end row runs the engine (``e2e_repeats`` generations of each, in turn; medians): greedy plain
+decoding against n-gram speculation (``k`` drafts) on a prompt that already contains the continuation
+(the model's own greedy answer, three times, then its start again: the model goes on repeating it), so
+prompt lookup's drafts are nearly always right (τ is reported): speedup ÷ τ is what a verified token
+costs against a decoded one (1.0 would be free verification).
 
     python -m experiments.bench_step dtype=bfloat16
     python -m experiments.bench_step dtype=float32 compile=true
@@ -47,6 +47,7 @@ class BenchStepConfig(HarnessConfig):
     context: tokens already in the KV cache before each timed step.
     repeats: timed forwards per row (after 3 warm-up ones), the rows taken in turn.
     max_tokens: new tokens of the end-to-end n-gram row.
+    e2e_repeats: timed generations of each end-to-end row (plain and n-gram in turn; medians).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -57,11 +58,12 @@ class BenchStepConfig(HarnessConfig):
     context: int = 128
     repeats: int = 100
     max_tokens: int = 128
+    e2e_repeats: int = 5
 
     def validate(self) -> None:
         super().validate()
         require_choice("dtype", self.dtype, ("float32", "bfloat16"))
-        require_positive(self, "k", "tree_nodes", "context", "repeats", "max_tokens")
+        require_positive(self, "k", "tree_nodes", "context", "repeats", "max_tokens", "e2e_repeats")
 
 
 def tree_segment_fields(num_nodes: int, start: int) -> tuple[list[int], torch.Tensor]:
@@ -114,16 +116,16 @@ def step_rows(llm: Any, cfg: BenchStepConfig) -> dict[str, float]:
         return _interleaved_median_ms(calls, cfg.repeats)
 
 
-def _interleaved_median_ms(calls: dict[str, Any], repeats: int) -> dict[str, float]:
-    """Median milliseconds of each call, timed round-robin (one of each per round, after 3 warm-up
+def _interleaved_median_ms(calls: dict[str, Any], repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Median milliseconds of each call, timed round-robin (one of each per round, after ``warmup``
     rounds), so that a host whose speed drifts during the run (±10 % over a minute here) moves every row
     alike and the ratios stay comparable."""
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for round_ in range(repeats + 3):
+    for round_ in range(repeats + warmup):
         for name, fn in calls.items():
             t0 = time.perf_counter()
             fn()
-            if round_ >= 3:
+            if round_ >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
@@ -141,13 +143,17 @@ def ngram_row(llm_plain: Any, llm_ngram: Any, cfg: BenchStepConfig) -> dict[str,
     # answer once before the question again had the model leave it after 8 tokens with some kernels).
     prompt = {"prompt_token_ids": answer * 3 + answer[:16]}
     out: dict[str, float] = {}
-    for name, llm in (("plain", llm_plain), ("ngram", llm_ngram)):
+    llms = {"plain": llm_plain, "ngram": llm_ngram}
+    for llm in llms.values():
         llm.generate([prompt], params)  # warm-up (and prefix caching of the prompt for both)
-        if name == "ngram":
-            llm.engine.reset_spec_stats()
-        t0 = time.perf_counter()
-        llm.generate([prompt], params)
-        out[f"{name}_tokens_per_s"] = cfg.max_tokens / (time.perf_counter() - t0)
+    llm_ngram.engine.reset_spec_stats()
+    times = _interleaved_median_ms(
+        {name: lambda llm=llm: llm.generate([prompt], params) for name, llm in llms.items()},
+        cfg.e2e_repeats,
+        warmup=0,
+    )
+    for name, ms in times.items():
+        out[f"{name}_tokens_per_s"] = cfg.max_tokens / (ms / 1e3)
     stats = spec_stats_fields(llm_ngram)
     out["ngram_tau"] = stats["tau"]
     out["ngram_speedup"] = out["ngram_tokens_per_s"] / out["plain_tokens_per_s"]

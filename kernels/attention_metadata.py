@@ -37,9 +37,11 @@ class AttentionMetadata:
             query_len]`` bool tensor: ``mask[i, j]`` is True when new token ``i`` may attend to new token
             ``j`` (a token tree's attention mask). Every new token always sees the whole context.
         draft_lens: per request, how many of its new tokens (the last ones) are drafts being verified, or
-            None (no drafts). The CPU and reference backends attend those rows as short queries even
-            when they follow a long prefill chunk, so a verification row's bits do not depend on whether
-            the drafts came with the prompt's last chunk or in a decode step.
+            None (no drafts). The CPU and reference backends attend those rows as short queries apart
+            from a long prefill chunk before them (when there are at most ``BATCHED_QUERY_MAX`` of them
+            and each sees every earlier new token, as a chain's and a tree's do), so a verification
+            row's bits do not depend on whether the drafts came with the prompt's last chunk or in a
+            decode step.
     """
 
     query_start_loc: torch.Tensor

@@ -14,7 +14,8 @@ attention and before a SiLU-gated MLP, fused QKV and gate/up weights with option
 codes with per-row scales: an int8-quantized model such as the quantized self-drafter), RoPE on every
 query and key head, grouped-query attention with an optional sliding window and score soft-cap: Llama,
 SmolLM2, Qwen2, Mistral. Batches it takes: decode rows, verification chains and token trees (every
-request's new tokens within the short-query kernel's limit), no prefill chunk.
+short query within the short-query kernel's limit: a request's new tokens, or a short chunk and the
+drafts after it), no prefill chunk.
 
 ``SPECDEC_CPU_DECODE_STACK=0`` (or ``SPECDEC_FORCE_REFERENCE=1``) turns it off.
 """

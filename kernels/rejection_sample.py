@@ -109,7 +109,7 @@ def rejection_sample_ref(
     accept = uniforms.to(device).double() * q_d < t_d
     row_argmax = None
     if bool(greedy.any()):
-        row_argmax = target_probs.argmax(dim=-1)  # every row once, no copy of the rows
+        row_argmax = target_probs.max(dim=-1).indices  # argmax's first maximum, every row once
         accept = torch.where(greedy[req], drafts == row_argmax[target_rows], accept)
     # Accepted = drafts before the request's first rejection.
     first_reject = torch.where(~accept, pos, torch.full_like(pos, max_spec_len + 1))

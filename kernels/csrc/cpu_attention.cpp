@@ -170,8 +170,8 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
       for (int64_t j = first_key; j < L; ++j)
         off[j - first_key] = ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
 #ifdef __AVX512F__
-      // Scores as a small matrix product, 16 keys at a time: the keys widened and transposed into the
-      // tile kt [D, 16] (in registers, 16 x 16 at a time, where D is a multiple of 16), then up to 4 query
+      // Scores as a small matrix product, 32 keys at a time: the keys widened and transposed into the
+      // tile kt [D, 32] (in registers, 16 x 16 at a time, where D is a multiple of 16), then up to 4 query
       // rows per step, one float32 FMA chain per score over d = 0 .. D - 1 (a dot product per (query, key)
       // spent most of its time in horizontal sums). A score's sum does not depend on the other rows or
       // keys, nor on how the tile was filled.

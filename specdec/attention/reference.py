@@ -135,9 +135,10 @@ class _Plan:
 
 
 def _split_drafts(metadata: AttentionMetadata, b: int, q_len: int, custom: torch.Tensor | None) -> int:
-    """How many trailing rows of request ``b`` to attend as short queries apart from its long chunk: its
-    drafts (``metadata.draft_lens``) when the chunk is longer than :data:`BATCHED_QUERY_MAX`, the drafts
-    fit one short query, and they see every earlier new token (a tree's nodes do); else 0."""
+    """How many trailing rows of request ``b`` to attend as short queries apart from the chunk before
+    them: its drafts (``metadata.draft_lens``) when its new tokens, chunk and drafts, are more than
+    :data:`BATCHED_QUERY_MAX`, the drafts are at most that many, and they see every earlier new token (a
+    tree's nodes do); else 0. The chunk left behind may itself be short."""
     drafts = metadata.draft_lens[b] if metadata.draft_lens is not None else 0
     if not (0 < drafts <= BATCHED_QUERY_MAX < q_len):
         return 0
@@ -152,7 +153,7 @@ def short_mask(metadata: AttentionMetadata, b: int, start: int, q_len: int) -> t
     drafts), or None (causal)."""
     masks = metadata.new_token_masks
     custom = None if masks is None else masks[b]
-    if custom is None or custom.shape[0] == q_len:
+    if custom is None or q_len == metadata.query_lens[b]:  # unsplit: the caller checks the shape
         return custom
     if start == sum(metadata.query_lens[:b]):  # the chunk before the drafts
         return custom[:q_len, :q_len]

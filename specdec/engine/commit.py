@@ -150,6 +150,7 @@ def append_token(engine: LLMEngine, req: Request, token: int) -> bool:
         status = RequestStatus.FINISHED_LENGTH
     if status is not None:
         req.stats.finished_time = time.perf_counter()
+        engine.kv.cache_full_blocks(req)  # this step's full blocks too (a prompt that ends at its prefill)
         engine.finish(req, status)
         return True
     return False

@@ -188,10 +188,11 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full blocks of committed tokens in the prefix cache (released entries,
-        which the request no longer holds, are skipped)."""
+        which the request no longer holds, are skipped): blocks whose tokens all have their K/V computed
+        and are in ``token_ids`` (a request that stops on an accepted draft has K/V past its last token)."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if num_full <= request.num_cached_blocks:
             return
         hashes = self._block_hashes(request, num_full)

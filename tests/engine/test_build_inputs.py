@@ -21,12 +21,13 @@ _segment = st.tuples(
     st.integers(2, 9),  # tokens of a chain / tree / prefill chunk
     st.integers(0, 3),  # spare blocks (wider tables)
     st.integers(0, 2),  # leading blocks released behind a window
+    st.integers(0, 3),  # drafts among the tokens (chains and trees)
 )
 
 
 def _segments(bs: int, specs) -> list[Segment]:
     segs, next_block = [], 0
-    for kind, start, n, extra, released in specs:
+    for kind, start, n, extra, released, drafts in specs:
         n = 1 if kind == "decode" else n
         released = min(released, start // bs)  # only blocks wholly before the new tokens
         end = start + n
@@ -35,6 +36,8 @@ def _segments(bs: int, specs) -> list[Segment]:
         blocks[:released] = [RELEASED] * released
         logits = {"decode": 1, "chain": n, "tree": n, "prefill": 1, "silent_prefill": 0}[kind]
         seg = Segment(blocks, start, [(start + i) % 97 for i in range(n)], logits)
+        if kind in ("chain", "tree"):
+            seg.num_drafts = min(drafts, n - 1)
         if kind == "tree":
             parents = [-1] + [i // 2 for i in range(1, n)]
             depth, mask = [0] * n, torch.eye(n, dtype=torch.bool)
@@ -58,20 +61,27 @@ def test_list_path_equals_the_vectorised_path(bs, specs):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert fast.metadata.query_lens == general.metadata.query_lens
     assert fast.metadata.seq_lens_host == general.metadata.seq_lens_host
+    assert fast.metadata.draft_lens == general.metadata.draft_lens
+    want = [s.num_drafts for s in segs]
+    assert fast.metadata.draft_lens == (want if any(want) else None)
     masks_a, masks_b = fast.metadata.new_token_masks, general.metadata.new_token_masks
     assert (masks_a is None) == (masks_b is None)
     if masks_a is not None:
         assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(masks_a, masks_b))
 
 
-def test_build_inputs_takes_the_list_path_up_to_its_limit():
-    small = [Segment([0, 1], 3, [5] * 4, 4)]
-    big = [Segment(list(range(40)), 0, [5] * (LIST_INPUTS_MAX_TOKENS + 1), 1)]
-    for segs in (small, big):
-        got = build_inputs(segs, 16, CPU)
-        want = _batch_inputs(segs, 16, CPU)
-        assert torch.equal(got.metadata.slot_mapping, want.metadata.slot_mapping)
-        assert torch.equal(got.logits_indices, want.logits_indices)
+def test_build_inputs_takes_the_list_path_up_to_its_limit(monkeypatch):
+    import specdec.model_runner as mr
+
+    taken = []
+    for name in ("_list_inputs", "_batch_inputs"):
+        real = getattr(mr, name)
+        monkeypatch.setattr(mr, name, lambda *a, real=real, name=name: taken.append(name) or real(*a))
+    at_limit = [Segment(list(range(40)), 0, [5] * LIST_INPUTS_MAX_TOKENS, 1)]
+    past = [Segment(list(range(40)), 0, [5] * (LIST_INPUTS_MAX_TOKENS + 1), 1)]
+    build_inputs(at_limit, 16, CPU)
+    build_inputs(past, 16, CPU)
+    assert taken == ["_list_inputs", "_batch_inputs"]
 
 
 @pytest.mark.parametrize("build", [_list_inputs, _batch_inputs])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cpu_attention
 from specdec.llm import LLM
 from specdec.model_runner import Segment, build_inputs, select_attention_backend
 
@@ -40,12 +41,17 @@ def _rows(runner, prompt: int, drafts: int, num_drafts: int, seed: int) -> tuple
     return together, torch.stack(rows)
 
 
+needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU kernels do not build here")
+
+
+@needs_kernel
 @pytest.mark.parametrize("prompt", [30, 40, 77])
 def test_drafts_after_a_prefill_chunk_equal_decode_rows(runner, prompt):
     together, decoded = _rows(runner, prompt, 4, 4, seed=prompt)
     assert torch.equal(together, decoded)
 
 
+@needs_kernel
 def test_negative_control_drafts_inside_the_chunk_differ(runner):
     together, decoded = _rows(runner, 77, 4, 0, seed=77)
     assert not torch.equal(together[1:], decoded[1:])
@@ -53,10 +59,14 @@ def test_negative_control_drafts_inside_the_chunk_differ(runner):
 
 @pytest.mark.parametrize("attention", ["cpu", "reference"])
 @pytest.mark.parametrize("prompt", [30, 40])
-def test_split_drafts_agree_with_the_unsplit_forward_for_chains_and_trees(tiny_model_dirs, attention, prompt):
+@pytest.mark.parametrize("others", [False, True], ids=["alone", "batched"])
+def test_split_drafts_agree_with_the_unsplit_forward_for_chains_and_trees(
+    tiny_model_dirs, attention, prompt, others
+):
     """The split itself changes no mathematics: float32 logits of a chunk followed by a chain or a token
     tree (its mask's tree block after the chunk's causal block) agree with the unsplit forward to float32
-    rounding, on both CPU backends, also where the chunk left behind is short (30 tokens)."""
+    rounding, on both CPU backends, also where the chunk left behind is short (30 tokens) and beside
+    another request's decode row and chain (their rows and the split request's start in the batch)."""
     from sampling.token_tree import TokenTree
 
     llm = LLM(tiny_model_dirs["llama-gqa3-tied"], skip_tokenizer_init=True, dtype="float32", device="cpu")
@@ -72,9 +82,18 @@ def test_split_drafts_agree_with_the_unsplit_forward_for_chains_and_trees(tiny_m
             positions = list(range(prompt)) + [prompt - 1 + d for d in tree.position_offsets()]
         out = []
         with torch.inference_mode():
+            other_blocks = list(range(len(blocks), len(blocks) + 4))
+            if others:  # another request's context, then a decode row of it before and a chain after
+                runner.execute(build_inputs([Segment(other_blocks, 0, ids[:20], 1)], bs, runner.device))
             for num_drafts in (drafts, 0):
                 seg = Segment(
                     blocks, 0, ids, drafts + 1, positions=positions, mask=mask, num_drafts=num_drafts
                 )
-                out.append(runner.execute(build_inputs([seg], bs, runner.device)).clone())
-        torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+                batch = [seg]
+                if others:
+                    batch = [Segment(other_blocks, 20, ids[20:21], 1), seg]
+                    batch.append(Segment(other_blocks + [len(blocks) + 4], 21, ids[21:25], 4, num_drafts=3))
+                    batch = batch[:2] if num_drafts == 0 else batch  # the chain: only beside the split
+                out.append(runner.execute(build_inputs(batch, bs, runner.device)).clone())
+        n = out[1].shape[0]
+        torch.testing.assert_close(out[0][:n], out[1], rtol=1e-5, atol=1e-5)

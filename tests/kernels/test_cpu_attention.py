@@ -113,19 +113,20 @@ def test_float32_equals_reference(requests, group, block_size, head_dim, seed, w
 def test_row_chunks_do_not_change_outputs(window, spec):
     """Where the threads would be uneven the kernel splits a request's rows (query x query head) into
     chunks of whole groups of four (a 16-node tree or a chain of 5 of SmolLM2's shape on 2 threads: 2
-    chunks per KV head); rows are independent, so one thread (no chunks), two and three give the same
-    bits, also with a sliding window read from tree depths, over more than one 32-key tile of context."""
+    chunks per KV head; on 4 threads 4, cutting a query's heads apart); rows are independent, so one to
+    four threads give the same bits, also with a sliding window read from tree depths, over more than one
+    32-key tile of context."""
     inputs = _batch([spec], 9, 3, 64, 16, torch.bfloat16, seed=3)
     extra = {} if window is None else {"sliding_window": window}
     threads = torch.get_num_threads()
     outs = []
     try:
-        for n in (1, 2, 3):
+        for n in (1, 2, 3, 4):  # 2 and 4 threads split the rows (4: mid-query, chunks of 4 rows)
             torch.set_num_threads(n)
             outs.append(_run(CpuAttention(), *inputs, **extra))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
     want = _run(ReferenceAttention(), *inputs, dtype=torch.float32, **extra)
     torch.testing.assert_close(outs[0].float(), want, rtol=2**-7, atol=2e-3)
 
