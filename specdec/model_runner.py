@@ -167,7 +167,9 @@ def _list_inputs(segments: list[Segment], bs: int, device: torch.device) -> Mode
         qsl.append(qsl[-1] + n)
     # Released entries (a prefix of the table) read as block 0: the attention never reads them unmasked.
     table_rows = [
-        [max(b, 0) for b in seg.block_ids] + [0] * (max_blocks - len(seg.block_ids)) for seg in segments
+        (seg.block_ids if not seg.block_ids or seg.block_ids[0] >= 0 else [max(b, 0) for b in seg.block_ids])
+        + [0] * (max_blocks - len(seg.block_ids))
+        for seg in segments
     ]
     metadata = AttentionMetadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
