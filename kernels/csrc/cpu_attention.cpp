@@ -98,9 +98,15 @@ inline void weighted_values(const float* p, int64_t L, int64_t nr, int64_t first
       a3[c] = _mm512_mask3_fmadd_ps(b3, vj, a3[c], k3);
     }
   }
-  const __m512* rows[4] = {a0, a1, a2, a3};
-  for (int64_t r = 0; r < nr; ++r)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + r * out_stride + 16 * c, rows[r][c]);
+  // Stored by name, not through an array of the accumulators' addresses: taking them kept the
+  // accumulators on the stack (every FMA a load and a masked store).
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) {
+    _mm512_storeu_ps(out + 16 * c, a0[c]);
+    if (nr > 1) _mm512_storeu_ps(out + out_stride + 16 * c, a1[c]);
+    if (nr > 2) _mm512_storeu_ps(out + 2 * out_stride + 16 * c, a2[c]);
+    if (nr > 3) _mm512_storeu_ps(out + 3 * out_stride + 16 * c, a3[c]);
+  }
 }
 #endif
 
