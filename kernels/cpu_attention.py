@@ -74,7 +74,8 @@ def paged_attention_short(
     """Attend the new queries of ``m`` requests, writing their rows of ``out``.
 
     Args:
-        query: ``[T, num_heads, head_dim]`` float32 or bfloat16, contiguous.
+        query: ``[T, num_heads, head_dim]`` float32 or bfloat16, heads and dims contiguous (any token
+            stride: the query heads of a fused ``[T, H + 2 KVH, D]`` projection are read in place).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, query's dtype, contiguous;
             the new tokens' K/V already written.
         block_table: ``[B, max_blocks]`` int64.

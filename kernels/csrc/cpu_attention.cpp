@@ -111,7 +111,7 @@ inline void weighted_values(const float* p, int64_t L, int64_t nr, int64_t first
 #endif
 
 template <typename T>
-void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* block_table, int64_t bt_stride,
+void attend(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_table, int64_t bt_stride,
             const int64_t* reqs, const int64_t* q_start, const int64_t* q_len, const int64_t* seq_len,
             const int64_t* mask_offset, const uint8_t* masks, T* out, int64_t m, int64_t H, int64_t KVH,
             int64_t D, int64_t block_size, float scale, int64_t window, float softcap) {
@@ -143,7 +143,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int64_t* b
       // Task row rr = u - u0: query u / G of the request, head g * G + u % G, pre-scaled, as float32.
       q.assign((R + 3) / 4 * 4 * D, 0.f);  // whole blocks of four rows for the score product
       for (int64_t u = u0; u < u1; ++u) {
-        const T* src = query + ((q_start[i] + u / G) * H + g * G + u % G) * D;
+        const T* src = query + (q_start[i] + u / G) * q_stride + (g * G + u % G) * D;
         for (int64_t d = 0; d < D; ++d) q[(u - u0) * D + d] = to_float(src[d]) * scale;
       }
       pos.resize(ql);
@@ -357,7 +357,8 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
   }
 }
 
-// query [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] (query's dtype, contiguous);
+// query [T, H, D] (heads and dims contiguous, any token stride: the q of a fused qkv); k_cache, v_cache
+// [num_blocks, block_size, KVH, D] (query's dtype, contiguous);
 // block_table [B, max_blocks] int64; reqs, q_start, q_len, seq_len, mask_offset [m] int64 (reqs: rows of
 // block_table; mask_offset -1: causal); masks uint8 (flat tree masks); out [T, H, D], rows of the m
 // requests written; window: sliding window in positions (0: none); softcap: score soft-cap (0: none).
@@ -368,8 +369,9 @@ void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Te
                            double softcap) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention_short: query [T, H, D], caches [num_blocks, block_size, KVH, D]");
-  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
-              "paged_attention_short: contiguous query, caches and out");
+  TORCH_CHECK(query.stride(2) == 1 && (query.size(1) == 1 || query.stride(1) == query.size(2)) && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && out.is_contiguous(),
+              "paged_attention_short: query with contiguous heads, contiguous caches and out");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
               "paged_attention_short: query, caches and out of one dtype");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.stride(1) == 1,
@@ -382,14 +384,14 @@ void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Te
   const int64_t m = reqs.numel();
   const uint8_t* mp = masks.numel() ? masks.data_ptr<uint8_t>() : nullptr;
   if (query.scalar_type() == torch::kFloat32) {
-    attend<float>(query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                  block_table.data_ptr<int64_t>(), block_table.stride(0), reqs.data_ptr<int64_t>(),
+    attend<float>(query.data_ptr<float>(), query.stride(0), k_cache.data_ptr<float>(),
+                  v_cache.data_ptr<float>(), block_table.data_ptr<int64_t>(), block_table.stride(0), reqs.data_ptr<int64_t>(),
                   q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(),
                   mask_offset.data_ptr<int64_t>(), mp, out.data_ptr<float>(), m, H, KVH, D, block_size,
                   static_cast<float>(scale), window, static_cast<float>(softcap));
   } else {
     TORCH_CHECK(query.scalar_type() == torch::kBFloat16, "paged_attention_short: float32 or bfloat16");
-    attend<at::BFloat16>(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+    attend<at::BFloat16>(query.data_ptr<at::BFloat16>(), query.stride(0), k_cache.data_ptr<at::BFloat16>(),
                          v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int64_t>(),
                          block_table.stride(0), reqs.data_ptr<int64_t>(), q_start.data_ptr<int64_t>(),
                          q_len.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(),

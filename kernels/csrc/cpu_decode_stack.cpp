@@ -101,7 +101,7 @@ class DecodeStack {
       auto qk = rope(qkv.narrow(1, 0, H + KVH), cos, sin);
       auto v = qkv.narrow(1, H + KVH, KVH);
       write_kv(qk.narrow(1, H, KVH), v, k_caches[i], v_caches[i], slot_mapping);
-      auto q = qk.narrow(1, 0, H).contiguous();
+      auto q = qk.narrow(1, 0, H);  // the kernel reads it in place (token stride H + KVH heads)
       auto attn = torch::empty({T, H, D}, hidden.options());
       paged_attention_short(q, k_caches[i], v_caches[i], block_table, reqs, q_start, q_len, seq_len,
                             mask_offset, masks, attn, l.scale, l.window, l.softcap);

@@ -216,3 +216,35 @@ def test_kernel_checks_its_inputs():
     md.slot_mapping = torch.full_like(md.slot_mapping, -1)
     want = ReferenceAttention().forward(query, key, value, k_cache, v_cache, md, 1.0)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_read_in_place_from_a_fused_projection(dtype):
+    """The layer stack passes the query heads of its fused ``[T, H + 2 KVH, D]`` projection without a
+    copy (a token stride of H + 2 KVH heads): the same bits as the contiguous query, for a decode row, a
+    chain and a tree in one batch."""
+    heads, kv_heads, head_dim = 6, 2, 16
+    specs = [(1, 40, False), (5, 70, False), (7, 30, True)]
+    query, _, _, k_cache, v_cache, metadata = _batch(specs, heads, kv_heads, head_dim, 4, dtype, seed=5)
+    fused = torch.randn(query.shape[0], heads + 2 * kv_heads, head_dim).to(dtype)
+    fused[:, :heads] = query
+    strided = fused.narrow(1, 0, heads)
+    assert not strided.is_contiguous()
+    md = metadata()
+    tree = md.new_token_masks[2].to(torch.uint8).flatten()
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    reqs, q_start, q_len, seq_len, mask_offset = (
+        i64([0, 1, 2]),
+        i64([0, 1, 6]),
+        i64([1, 5, 7]),
+        i64([40, 70, 30]),
+        i64([-1, -1, 0]),
+    )
+    args = (md.block_table, reqs, q_start, q_len, seq_len, mask_offset)
+    outs = []
+    for q in (query, strided):
+        outs.append(torch.zeros_like(query))
+        cpu_attention.paged_attention_short(q, k_cache, v_cache, *args, tree, outs[-1], 0.25)
+    assert torch.equal(outs[0], outs[1])
+    assert outs[0].abs().sum(dim=(1, 2)).gt(0).all()  # every row written
