@@ -7,7 +7,7 @@
 // reference's roundings (kernels/cpu_layer_ops.py: float32 arithmetic, results rounded to the input dtype
 // where the reference rounds them), so bfloat16 outputs equal the reference's except where a reduction
 // or exp() rounds its last float32 bit differently (SiLU takes exp eight lanes at a time, exp8 of
-// cpu_simd.h, within about 1 ulp of std::exp). Rows are independent: at::parallel_for over rows in tasks
+// cpu_simd.h, within about 1 ulp of std::exp; exp16 gives the same bits on sixteen lanes). Rows are independent: at::parallel_for over rows in tasks
 // of kRowGrain (up to 4 rows, a decode row among them, run inline on the calling thread).
 //
 // Floating-point contraction is off in this file: the reference rounds a * b before adding c, and a fused
@@ -43,6 +43,31 @@ inline __m256 round8(__m256 v) {
   const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
   return _mm256_blendv_ps(_mm256_castsi256_ps(r), nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
+#ifdef SPECDEC_AVX512
+// round8 on sixteen lanes (the same integer operations).
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if (std::is_same<T, float>::value) return v;
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 unordered = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512 nan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000));
+  return _mm512_mask_blend_ps(unordered, _mm512_castsi512_ps(r), nan);
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// v already rounded to bfloat16 precision (round16): its high halves.
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#endif
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 // v already rounded to bfloat16 precision (round8): its high halves.
 inline void store8(at::BFloat16* p, __m256 v) {
@@ -125,27 +150,47 @@ void rope_rows(const T* qk, int64_t s_tok, int64_t s_head, const T* cos, const T
   });
 }
 
+// Columns per parallel unit of SiLU * up: a row in four parts (multiples of 16 columns), so that 5 rows
+// split evenly over 2 threads (whole rows went 4 : 1).
+constexpr int64_t kSiluParts = 4;
+
 template <typename T>
 void silu_mul_rows(const T* gu, int64_t stride, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  const int64_t part = (I + kSiluParts * 16 - 1) / (kSiluParts * 16) * 16;
+  // Up to kRowGrain rows inline on the calling thread (as the other kernels); more split evenly.
+  const int64_t grain = rows <= kRowGrain ? rows * kSiluParts : 1;
+  at::parallel_for(0, rows * kSiluParts, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t r = p / kSiluParts, k0 = std::min(I, p % kSiluParts * part);
+      const int64_t k1 = p % kSiluParts == kSiluParts - 1 ? I : std::min(I, k0 + part);
       const T* g = gu + r * stride;
       const T* u = g + I;
       T* o = out + r * I;
-      int64_t k = 0;
+      int64_t k = k0;
+#ifdef SPECDEC_AVX512
+      // Sixteen at a time: exp16 gives exp8's bits, and the division and roundings are element-wise, so
+      // each element equals the eight-lane loop's below (parts start at multiples of 16: an element takes
+      // the same path, vector or scalar tail, as in one pass over the row).
+      for (; k + 16 <= k1; k += 16) {
+        const __m512 x = load16(g + k);
+        const __m512 e = specdec_cpu::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 act = round16<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        store16(o + k, round16<T>(_mm512_mul_ps(act, load16(u + k))));
+      }
+#endif
 #ifdef SPECDEC_AVX2
       // Eight at a time: exp(-x) by exp8 (within about 1 ulp of std::exp), the division, both roundings
       // to T and the product as the scalar loop below computes them (a vector division rounds as a scalar
       // one does; round8 is at::BFloat16's rounding), so the result does not depend on where a row's
       // tail starts.
-      for (; k + 8 <= I; k += 8) {
+      for (; k + 8 <= k1; k += 8) {
         const __m256 x = specdec_cpu::load8(g + k);
         const __m256 e = specdec_cpu::exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
         const __m256 act = round8<T>(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
         store8(o + k, round8<T>(_mm256_mul_ps(act, specdec_cpu::load8(u + k))));
       }
 #endif
-      for (; k < I; ++k) {
+      for (; k < k1; ++k) {
         const float x = f32(g[k]);
         const T act = static_cast<T>(x / (1.0f + std::exp(-x)));
         o[k] = static_cast<T>(f32(act) * f32(u[k]));

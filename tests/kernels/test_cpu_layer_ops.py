@@ -86,6 +86,33 @@ def test_silu_mul_at_the_extremes(dtype):
     torch.testing.assert_close(got, want, equal_nan=True, rtol=2**-7, atol=1e-30)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, inner", [(5, 1536), (16, 1536), (5, 100), (3, 17)])
+def test_silu_mul_bits_do_not_depend_on_the_threads(dtype, rows, inner):
+    """More than four rows split into column parts (multiples of 16 columns, the row's tail in the last
+    part) over the threads: one to four threads give the same bits, each element taking the same path
+    (sixteen lanes, eight, or the scalar tail) as in one pass over its row."""
+    g = torch.Generator().manual_seed(rows + inner)
+    gate_up = (torch.randn(rows, 2 * inner, generator=g) * 8).to(dtype)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        with torch.inference_mode():
+            for n in (1, 2, 3, 4):
+                torch.set_num_threads(n)
+                outs.append(cpu_layer_ops.silu_mul(gate_up, use_kernel=True))
+                # each row alone (a decode row, inline) gives the row's bits in the batch
+                outs.append(
+                    torch.cat(
+                        [cpu_layer_ops.silu_mul(gate_up[r : r + 1], use_kernel=True) for r in range(rows)]
+                    )
+                )
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    _close(outs[0], cpu_layer_ops.silu_mul_reference(gate_up))
+
+
 def test_bad_shapes_are_refused_by_the_kernels():
     with torch.inference_mode(), pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.specdec_cpu.rms_norm(torch.randn(2, 8), torch.randn(9), 1e-6, False)
