@@ -111,10 +111,10 @@ inline void weighted_values(const float* p, int64_t L, int64_t nr, int64_t first
 #endif
 
 template <typename T>
-void attend(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_table, int64_t bt_stride,
-            const int64_t* reqs, const int64_t* q_start, const int64_t* q_len, const int64_t* seq_len,
-            const int64_t* mask_offset, const uint8_t* masks, T* out, int64_t m, int64_t H, int64_t KVH,
-            int64_t D, int64_t block_size, float scale, int64_t window, float softcap) {
+void attend(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_table,
+            int64_t bt_stride, const int64_t* reqs, const int64_t* q_start, const int64_t* q_len,
+            const int64_t* seq_len, const int64_t* mask_offset, const uint8_t* masks, T* out, int64_t m,
+            int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window, float softcap) {
   const int64_t G = H / KVH;
   // A request's rows u = r * G + h (query r, head g * G + h of KV head g) in groups of four (the score
   // product's unit); each (request, KV head) split into chunks of whole groups where that evens out the
@@ -369,8 +369,8 @@ void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Te
                            double softcap) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention_short: query [T, H, D], caches [num_blocks, block_size, KVH, D]");
-  TORCH_CHECK(query.stride(2) == 1 && (query.size(1) == 1 || query.stride(1) == query.size(2)) && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && out.is_contiguous(),
+  TORCH_CHECK(query.stride(2) == 1 && (query.size(1) == 1 || query.stride(1) == query.size(2)) &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
               "paged_attention_short: query with contiguous heads, contiguous caches and out");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
               "paged_attention_short: query, caches and out of one dtype");
@@ -385,9 +385,10 @@ void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Te
   const uint8_t* mp = masks.numel() ? masks.data_ptr<uint8_t>() : nullptr;
   if (query.scalar_type() == torch::kFloat32) {
     attend<float>(query.data_ptr<float>(), query.stride(0), k_cache.data_ptr<float>(),
-                  v_cache.data_ptr<float>(), block_table.data_ptr<int64_t>(), block_table.stride(0), reqs.data_ptr<int64_t>(),
-                  q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), seq_len.data_ptr<int64_t>(),
-                  mask_offset.data_ptr<int64_t>(), mp, out.data_ptr<float>(), m, H, KVH, D, block_size,
+                  v_cache.data_ptr<float>(), block_table.data_ptr<int64_t>(), block_table.stride(0),
+                  reqs.data_ptr<int64_t>(), q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(),
+                  seq_len.data_ptr<int64_t>(), mask_offset.data_ptr<int64_t>(), mp, out.data_ptr<float>(), m, H,
+                  KVH, D, block_size,
                   static_cast<float>(scale), window, static_cast<float>(softcap));
   } else {
     TORCH_CHECK(query.scalar_type() == torch::kBFloat16, "paged_attention_short: float32 or bfloat16");

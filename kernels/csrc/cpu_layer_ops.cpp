@@ -7,8 +7,9 @@
 // reference's roundings (kernels/cpu_layer_ops.py: float32 arithmetic, results rounded to the input dtype
 // where the reference rounds them), so bfloat16 outputs equal the reference's except where a reduction
 // or exp() rounds its last float32 bit differently (SiLU takes exp eight lanes at a time, exp8 of
-// cpu_simd.h, within about 1 ulp of std::exp; exp16 gives the same bits on sixteen lanes). Rows are independent: at::parallel_for over rows in tasks
-// of kRowGrain (up to 4 rows, a decode row among them, run inline on the calling thread).
+// cpu_simd.h, within about 1 ulp of std::exp; exp16 gives the same bits on sixteen lanes). Rows are
+// independent: at::parallel_for over rows in tasks of kRowGrain (up to 4 rows, a decode row among them,
+// run inline on the calling thread; SiLU * up splits more rows into column parts).
 //
 // Floating-point contraction is off in this file: the reference rounds a * b before adding c, and a fused
 // multiply-add would not.
