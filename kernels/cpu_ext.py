@@ -73,6 +73,14 @@ def clear_stale_lock(name: str) -> bool:
 
 
 @functools.cache
+def build_key() -> str:
+    """The build's key (12 hex digits): the kernel sources, this CPU's flags and torch's version; the
+    module's name carries it, so a changed source builds anew (and cost profiles keyed by it are
+    profiled anew, :mod:`specdec.engine.cost_profile`)."""
+    text = "".join(p.read_text() for p in sorted(_CSRC.iterdir()) if p.is_file())
+    return hashlib.sha256((text + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+
+
 def load_extension() -> Any | None:
     """The built module (functions ``gemv``, ``paged_attention_short``, ``write_kv``, ``has_avx2``), or None
     where it cannot build (logged once)."""
@@ -85,8 +93,7 @@ def load_extension() -> Any | None:
         import kernels.cpu_layer_ops  # noqa: F401
 
         sources = _sources()
-        text = "".join(p.read_text() for p in sorted(_CSRC.iterdir()) if p.is_file())
-        key = hashlib.sha256((text + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+        key = build_key()
         logger.info("loading the CPU kernels (built once per machine, about a minute on 2 cores)")
         name = f"specdec_cpu_kernels_{key}"
         clear_stale_lock(name)

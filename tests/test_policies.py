@@ -250,6 +250,40 @@ def test_goodput_explores_a_request_whose_estimate_sank():
     assert [policy.decide(_inputs([hopeless], out=n))[0] for n in range(20)] == [0] * 20
 
 
+def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
+    # Each token costs a quarter of a step; the request's history says 90 % acceptance, but the drafts
+    # granted on it are never accepted (the winner's curse, exaggerated): settled against its spec_stats,
+    # the calibration falls and the policy stops drafting; without calibration it drafts on.
+    costs = {"step_s": [[n, 0.0075 + 0.0025 * n] for n in range(1, 9)], "frozen": True, "explore_every": 0}
+    answers = {}
+    for calibrate in (True, False):
+        policy = build_policy("goodput", PolicyContext(4), {**costs, "calibrate": calibrate})
+        stats = _stats([90, 81, 73, 66], [100, 100, 100, 100])
+        inputs = _inputs([stats])
+        answers[calibrate] = []
+        for _ in range(14):
+            (depth,) = policy.decide(inputs)
+            answers[calibrate].append(depth)
+            stats.num_drafts += depth > 0  # verified, nothing accepted
+    # Granted 4 drafts predict 3.1 accepted tokens, 0 realised: the ratio (0 + 8) / (3.1 + 8) = 0.72
+    # after one step, and so on; the depth falls, until one draft (0.9 predicted) no longer pays for a
+    # quarter of a step (ratio < 0.28).
+    assert answers[True] == [4, 4, 4, 3, 3, 2, 2, 2, 1, 1, 1, 1, 0, 0]
+    assert answers[False] == [4] * 14
+    assert policy.calibration == 1.0
+    # A drafter that found nothing (no verification) is no evidence either way.
+    policy = build_policy("goodput", PolicyContext(4), costs)
+    stats = _stats([90, 81, 73, 66], [100, 100, 100, 100])
+    assert [policy.decide(_inputs([stats]))[0] for _ in range(8)] == [4] * 8
+    assert policy.calibration == 1.0
+    with pytest.raises(ConfigError, match="calibration_weight"):
+        build_policy("goodput", PolicyContext(4), {"calibration_weight": 0})
+    with pytest.raises(ConfigError, match="calibration_decay"):
+        build_policy("goodput", PolicyContext(4), {"calibration_decay": 1.5})
+    with pytest.raises(ConfigError, match="calibrate"):
+        build_policy("goodput", PolicyContext(4), {"calibrate": "yes"})
+
+
 def test_goodput_history_is_bounded():
     from specdec.policies.goodput import HISTORY
 

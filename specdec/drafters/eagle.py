@@ -52,11 +52,17 @@ class _EagleState:
     num_computed: int  # head positions < this hold K/V from true features
     features_start: int  # position of features[0]
     features: list[torch.Tensor] = field(default_factory=list)  # [n_i, H] chunks, consecutive positions
+    num_features: int = 0  # rows over ``features`` (kept, not summed: a request that never drafts
+    # appends a chunk per step)
 
     @property
     def features_end(self) -> int:
         """One past the position of the last known feature."""
-        return self.features_start + sum(f.shape[0] for f in self.features)
+        return self.features_start + self.num_features
+
+    def append(self, rows: torch.Tensor) -> None:
+        self.features.append(rows)
+        self.num_features += rows.shape[0]
 
     def feature_rows(self, start: int, end: int) -> torch.Tensor:
         feats = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
@@ -66,10 +72,11 @@ class _EagleState:
     def drop_before(self, position: int) -> None:
         if not self.features:
             return
-        feats = torch.cat(self.features)
+        feats = torch.cat(self.features) if len(self.features) > 1 else self.features[0]
         cut = max(0, position - self.features_start)
         self.features = [feats[cut:]] if cut < feats.shape[0] else []
         self.features_start += cut
+        self.num_features = feats.shape[0] - min(cut, feats.shape[0])
 
 
 class _DenseTreeAttention:
@@ -169,7 +176,7 @@ class EagleDrafter(DrafterBase):
             # A fresh (or re-admitted) request: positions before the first feature are taken as computed
             # (prefix-cached blocks keep the head K/V written when they were filled).
             state = self.states[request.request_id] = _EagleState(start_position, start_position)
-        state.features.append(hidden_states.detach().to(self.dtype))
+        state.append(hidden_states.detach().to(self.dtype))
 
     def reset(self, request: Request) -> None:
         self.states.pop(request.request_id, None)

@@ -17,7 +17,8 @@ verification are learned from observed steps by the policies' cost model (unless
 Cache: ``$SPECDEC_STEP_COSTS`` if set (a JSON file; ``off`` disables the cache), else ``step_costs.json``
 in the zoo's cache folder (``$SPECDEC_CACHE_DIR``, default ``~/.cache/specdec``), one entry per key: a
 SHA-256 over the model config, dtype, device (and the CPU model or GPU name), torch version, intra-op
-threads, the compiled buckets and backend (or eager), KV cache dtype and attention backend. A second
+threads, the compiled buckets and backend (or eager), KV cache dtype, attention backend, the library's
+version and the CPU kernels' build key (their sources and this CPU's flags). A second
 engine with the same key loads the costs instead of profiling (so a frozen policy's decisions repeat
 across processes on that machine).
 """
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import specdec
 from specdec.model_runner import Segment, build_inputs
 
 if TYPE_CHECKING:
@@ -72,6 +74,15 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def _kernels_key() -> str | None:
+    try:
+        from kernels.cpu_ext import build_key
+
+        return build_key()
+    except Exception:  # an install without the kernel sources
+        return None
+
+
 def cost_key(engine: LLMEngine) -> tuple[str, dict[str, Any]]:
     """The cache key of ``engine``'s target step cost and the description it hashes."""
     runner = engine.runner
@@ -90,6 +101,9 @@ def cost_key(engine: LLMEngine) -> tuple[str, dict[str, Any]]:
         "compiled": list(getattr(forward, "buckets", ())) if stats is not None else None,
         "kv_cache_dtype": str(getattr(runner, "kv_cache_dtype", None)),
         "attention": type(getattr(runner, "attention", None)).__name__,
+        # The library and its CPU kernels: a profile taken before an upgrade is not today's cost.
+        "specdec": specdec.__version__,
+        "cpu_kernels": _kernels_key(),
     }
     blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20], what
