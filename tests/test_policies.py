@@ -145,9 +145,19 @@ def test_goodput_weighs_acceptance_against_the_step_cost():
     assert policy.decide(_inputs([good])) == [4]  # verification nearly free, acceptance high: all of k
     assert policy.decide(_inputs([good, bad])) == [4, 0]  # the hopeless request alone drafts nothing
     assert build_policy("goodput", PolicyContext(4), steep).decide(_inputs([good, good])) == [0, 0]
-    # A fresh request starts from the population's figures, learned from the steps observed.
     from specdec.policies import StepObservation
 
+    # A request granted one draft at a time, always accepted, expects the same deeper on (its figure at
+    # position 1 times the population's acceptance at i given i - 1, i.i.d. where nobody drafted that
+    # deep): with each token at a quarter of a step, 4 drafts (E = 4.8) beat 1 (E = 1.98). Shrunk towards
+    # prior_acceptance ** i instead (0.25, 0.125, ...), one draft looked best and it never went deeper.
+    quarter = {"step_s": [[n, 0.0075 + 0.0025 * n] for n in range(1, 9)], "frozen": True}
+    sure = _stats([50, 0, 0, 0], [50, 0, 0, 0])
+    sure_policy = build_policy("goodput", PolicyContext(4), quarter)
+    for _ in range(50):
+        sure_policy.observe_step(StepObservation(2, 0.0125, 0.0, 1, ((1, 1),)))
+    assert sure_policy.decide(_inputs([sure])) == [4]
+    # A fresh request starts from the population's figures, learned from the steps observed.
     learner = build_policy("goodput", PolicyContext(4), {**cheap, "prior_acceptance": 0.0})
     assert learner.decide(_inputs([None])) == [0]  # prior: nothing is ever accepted
     for _ in range(50):
@@ -165,6 +175,28 @@ def test_goodput_learns_step_costs_when_not_frozen():
         policy.observe_step(StepObservation(5, 0.060, 0.0, 4, ((4, 1),)))
     assert policy.costs.target_s(5) == pytest.approx(0.060, rel=0.05)
     assert policy.decide(_inputs([None])) == [0]  # 5 tokens cost 6 steps here: drafting cannot pay
+    # Drafting seconds: the first drafting step observed sets them (a running mean from the unknown 0
+    # would let a slow drafter draft as if free for tens of steps); later steps move them by the decay.
+    from specdec.policies.cost_model import StepCostModel
+
+    costs = StepCostModel({1: 0.010})
+    costs.observe(1, 0.010, 0, 0.5)  # no drafts: no drafting cost learned
+    assert costs.draft_s(4) == 0.0
+    costs.observe(5, 0.012, 4, 0.040)
+    assert costs.draft_s(4) == pytest.approx(0.040)
+    costs.observe(5, 0.012, 4, 0.080)
+    assert costs.draft_s(4) == pytest.approx(0.9 * 0.040 + 0.1 * 0.080)
+    # Per bucket of drafting requests: 16 rows of a draft model cost more than one; 9-16 rows learn
+    # apart from 1, 2-8 rows take the nearest bucket below (1), 32 the nearest below (16).
+    costs.observe(20, 0.02, 4, 0.400, draft_rows=16)
+    assert costs.draft_s(4, rows=16) == pytest.approx(0.400)
+    assert costs.draft_s(4, rows=9) == pytest.approx(0.400)
+    assert costs.draft_s(4, rows=1) == costs.draft_s(4, rows=8) == pytest.approx(0.9 * 0.040 + 0.1 * 0.080)
+    assert costs.draft_s(4, rows=32) == pytest.approx(0.400)
+    assert costs.draft_s(0, rows=16) == 0.0
+    given = StepCostModel({1: 0.010}, draft_s_per_position=0.001)  # given: a prior, corrected gradually
+    given.observe(5, 0.012, 4, 0.040)
+    assert given.draft_s_per_position == pytest.approx(0.9 * 0.001 + 0.1 * 0.010)
 
 
 def test_cost_model_corrects_untried_counts_by_the_observed_ratio():
@@ -244,6 +276,14 @@ def test_goodput_explores_a_request_whose_estimate_sank():
     assert answers == [0] * 8 + [1] + [0] * 7 + [1] + [0] * 3  # one probe per 8 of its tokens
     never = build_policy("goodput", PolicyContext(4), {**dear, "explore_every": 0})
     assert [never.decide(_inputs([hopeless], out=n))[0] for n in range(20)] == [0] * 20
+    # A request held at one draft (one rejection at position 2 sank its estimate there) drafts two every
+    # 8 of its tokens, at its own q_1 times the acceptance hoped for at position 2: one rejection would
+    # otherwise keep it at one draft for good.
+    quarter = {"step_s": [[n, 0.0075 + 0.0025 * n] for n in range(1, 9)], "frozen": True, "explore_every": 8}
+    once = _stats([50, 0, 0, 0], [50, 1, 0, 0])
+    policy = build_policy("goodput", PolicyContext(4), {**quarter, "prior_acceptance": 0.6})
+    answers = [policy.decide(_inputs([once], out=n))[0] for n in range(20)]
+    assert answers == [1] * 8 + [2] + [1] * 7 + [2] + [1] * 3
     # No probe where even the hoped-for acceptance cannot pay for the token (a step of 2 tokens costs 2).
     steep = {**dear, "step_s": [[1, 0.010], [2, 0.020], [64, 0.64]]}
     policy = build_policy("goodput", PolicyContext(4), steep)
@@ -265,17 +305,28 @@ def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
             (depth,) = policy.decide(inputs)
             answers[calibrate].append(depth)
             stats.num_drafts += depth > 0  # verified, nothing accepted
+            stats.num_draft_tokens += depth
     # Granted 4 drafts predict 3.1 accepted tokens, 0 realised: the ratio (0 + 8) / (3.1 + 8) = 0.72
     # after one step, and so on; the depth falls, until one draft (0.9 predicted) no longer pays for a
     # quarter of a step (ratio < 0.28).
-    assert answers[True] == [4, 4, 4, 3, 3, 2, 2, 2, 1, 1, 1, 1, 0, 0]
+    assert answers[True] == [4, 4, 4, 4, 3, 2, 2, 1, 1, 1, 1, 1, 0, 0]
     assert answers[False] == [4] * 14
     assert policy.calibration == 1.0
-    # A drafter that found nothing (no verification) is no evidence either way.
+    # A drafter that found nothing (no verification) is no evidence either way; one that proposed a
+    # single token of the 4 granted, accepted, is settled on that token alone (predicted 0.9, realised
+    # 1): the ratio rises.
     policy = build_policy("goodput", PolicyContext(4), costs)
     stats = _stats([90, 81, 73, 66], [100, 100, 100, 100])
     assert [policy.decide(_inputs([stats]))[0] for _ in range(8)] == [4] * 8
     assert policy.calibration == 1.0
+    for _ in range(8):
+        assert policy.decide(_inputs([stats])) == [4]
+        stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = (
+            stats.num_drafts + 1,
+            stats.num_draft_tokens + 1,
+            stats.num_accepted_tokens + 1,
+        )
+    assert policy.calibration > 1.0
     with pytest.raises(ConfigError, match="calibration_weight"):
         build_policy("goodput", PolicyContext(4), {"calibration_weight": 0})
     with pytest.raises(ConfigError, match="calibration_decay"):
@@ -473,6 +524,61 @@ def test_greedy_output_equals_plain_decoding_under_every_policy(setup, method, p
         answers = llm.engine.policy.answers
         assert {a for _, a in answers} == {0, 1, 2, 3}  # depths varied over the whole range
         assert stats.num_accepted_tokens > 0
+
+
+@register_policy("test_late")
+class LatePolicy:
+    """No drafts until a request has written 12 tokens, then all it may."""
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        pass
+
+    def decide(self, batch: list[PolicyInput]) -> list[int]:
+        return [x.max_drafts if x.request.num_output_tokens >= 12 else 0 for x in batch]
+
+
+def test_draft_model_catches_up_lazily_in_chunks(setup, monkeypatch):
+    # The target drafts for itself, so every draft is accepted iff the draft KV caught up correctly: the
+    # draft model runs for nobody until a request may draft (prompts included), then catches up on its
+    # backlog in separate forwards of at most CATCH_UP_CHUNK tokens per request.
+    import specdec.drafters.draft_model as dm
+
+    monkeypatch.setattr(dm, "CATCH_UP_SEPARATE", 2)
+    monkeypatch.setattr(dm, "CATCH_UP_CHUNK", 3)
+    common = dict(skip_tokenizer_init=True, block_size=4)
+    prompts = [PROMPT * 3, [1, 2, 3, 4, 5, 6, 7] * 2, [2, 5]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = LLM(setup["target"], **common).generate([{"prompt_token_ids": p} for p in prompts], params)
+    spec = {"method": "draft_model", "model": str(setup["target"]), "num_speculative_tokens": 3}
+    llm = LLM(setup["target"], speculative_config={**spec, "policy": "test_late"}, **common)
+    drafter = llm.engine.drafter
+    calls: list[tuple[int, int]] = []  # (segments, tokens) of each draft-model forward
+    execute = drafter.runner.execute
+
+    def counted(inputs):
+        calls.append((len(inputs.metadata.query_lens), int(inputs.input_ids.numel())))
+        return execute(inputs)
+
+    monkeypatch.setattr(drafter.runner, "execute", counted)
+    catch_ups: list[float] = []
+    propose = drafter.propose
+
+    def timed(batch):
+        out = propose(batch)
+        catch_ups.append(drafter.catch_up_s)
+        return out
+
+    monkeypatch.setattr(drafter, "propose", timed)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens  # all accepted
+    # Nothing ran before the first drafting step; the first catch-up covered prompt + 12 tokens per
+    # request in forwards of <= 3 tokens per request (up to 3 requests: <= 9 tokens each).
+    first_catch_up = [c for c in calls if c[1] > 0]
+    assert calls and all(tokens <= 3 * segments for segments, tokens in first_catch_up[:-1])
+    assert len(calls) >= (len(PROMPT * 3) + 12 - 2) // 3
+    assert any(t > 0 for t in catch_ups)
 
 
 def test_a_faulty_policy_ends_speculation_for_its_requests_only(setup, caplog):

@@ -121,13 +121,17 @@ def token_counts(engine: LLMEngine) -> list[int]:
 
 
 @torch.inference_mode()
-def profile_target(engine: LLMEngine, counts: list[int], repeats: int = REPEATS) -> dict[int, float]:
+def profile_target(
+    engine: LLMEngine, counts: list[int], repeats: int = REPEATS, runner: Any = None
+) -> dict[int, float]:
     """Seconds of one target forward per token count in ``counts`` (median of ``repeats``), on scratch
-    blocks of the KV pool; counts that do not fit in the free blocks are skipped."""
-    runner, pool = engine.runner, engine.kv.pool
+    blocks of the KV pool; counts that do not fit in the free blocks are skipped. ``runner``: another
+    runner over the same block tables (a draft model's) instead of the target's."""
+    pool = engine.kv.pool
+    with_hidden = runner is None and engine.drafter is not None and engine.drafter.uses_hidden_states
+    runner = runner or engine.runner
     bs = runner.block_size
     max_seqs = engine.scheduler.config.max_num_seqs
-    with_hidden = engine.drafter is not None and engine.drafter.uses_hidden_states
     out: dict[int, float] = {}
     for count in counts:
         b = min(count, max_seqs)
@@ -164,6 +168,29 @@ def _read(path: Path) -> dict[str, Any]:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def draft_model_costs(engine: LLMEngine) -> dict[int, float]:
+    """``{rows: seconds}`` of one draft-model forward over ``rows`` requests' one token each (rows 1, 2,
+    4, ... up to ``min(max_num_seqs, 32)``): a draft position's cost for that many drafting requests,
+    profiled now (a second or two; not cached). Empty for drafters without a model runner of their own
+    (n-gram, suffix: drafting costs next to nothing; EAGLE and Medusa heads: learned from steps)."""
+    from specdec.model_runner import ModelRunner
+
+    runner = getattr(engine.drafter, "runner", None)
+    if not isinstance(runner, ModelRunner):
+        return {}
+    cap = min(engine.scheduler.config.max_num_seqs, 32)
+    rows = [r for r in (2**i for i in range(6)) if r <= cap]
+    t0 = time.perf_counter()
+    costs = profile_target(engine, rows, runner=runner)
+    logger.info(
+        "profiled the draft model at %d batch sizes in %.1f s: %s",
+        len(costs),
+        time.perf_counter() - t0,
+        ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in costs.items()),
+    )
+    return costs
 
 
 def step_costs(engine: LLMEngine) -> dict[int, float]:

@@ -25,7 +25,7 @@ from specdec.engine import faults
 from specdec.engine.admission import GrammarAdmission, validate_request
 from specdec.engine.build import EngineParts, build_engine_parts, build_scheduler
 from specdec.engine.commit import commit_all
-from specdec.engine.cost_profile import step_costs
+from specdec.engine.cost_profile import draft_model_costs, step_costs
 from specdec.engine.grammar_masks import MaskPrefetch
 from specdec.engine.policy_step import apply_policy, observe_policy
 from specdec.engine.proposals import propose_drafts
@@ -144,6 +144,7 @@ class LLMEngine:
         self._policy_prepared: SpeculationPolicy | None = None  # the policy that got the step costs
         self._policy_learns = True  # False once the policy's observe_step raised
         self._step_costs: dict[int, float] | None = None  # the target's profiled step costs
+        self._draft_costs: dict[int, float] | None = None  # a draft model's, by drafting rows
         self.kv, self.scheduler = build_scheduler(parts, cache_config, scheduler_config, spec)
         self.spec_stats: SpecStats | None = None
         self.reset_spec_stats()
@@ -295,7 +296,8 @@ class LLMEngine:
                     self.abort_request(rid)
 
     def prepare_policy(self) -> None:
-        """Hand the policy the target's step costs if it wants them (``wants_step_costs``): profiled once
+        """Hand the policy the target's step costs if it wants them (``wants_step_costs``), and a draft
+        model's forward by drafting rows to a policy with ``set_draft_costs``: profiled once
         per engine, or loaded from the cache (:mod:`specdec.engine.cost_profile`). ``step`` calls it
         before a new policy's first decision; call it yourself to keep the profile out of a timed run.
         Run it between steps (the profile borrows free KV blocks)."""
@@ -310,6 +312,16 @@ class LLMEngine:
                 policy.set_step_costs(dict(self._step_costs))
             except Exception as e:  # a plug-in's fault: it decides without the profile
                 logger.warning("the speculation policy's set_step_costs raised %s: %s", type(e).__name__, e)
+            set_draft_costs = getattr(policy, "set_draft_costs", None)
+            if set_draft_costs is not None:
+                if self._draft_costs is None:
+                    self._draft_costs = draft_model_costs(self)
+                try:
+                    set_draft_costs(dict(self._draft_costs))
+                except Exception as e:
+                    logger.warning(
+                        "the speculation policy's set_draft_costs raised %s: %s", type(e).__name__, e
+                    )
 
     def _step(self) -> list[Request]:
         self.admit_compiled()
@@ -357,8 +369,11 @@ class LLMEngine:
         if self.spec_stats is not None:
             self.spec_stats.verify_time_s += target_s
         if self.policy is not None and self._policy_learns:
+            # Catch-up forwards over long backlogs (a draft model resuming) are a one-off, not a cost
+            # per draft position: the policy learns drafting seconds without them.
+            drafting_s = max(0.0, draft_s - getattr(self.drafter, "catch_up_s", 0.0))
             self._policy_learns = observe_policy(
-                self.policy, scheduled, batch.sampling, results, draft_s, target_s
+                self.policy, scheduled, batch.sampling, results, drafting_s, target_s
             )
         return failed + updated
 

@@ -16,7 +16,8 @@ prompt chunks would make the untried decode counts look cheap again.
 Drafting costs
 ``draft_s_per_position`` seconds per draft position of the step (sequential draft steps: a draft model
 or head drafts all requests' position d together), a running mean of observed drafting time divided by
-the step's deepest draft.
+the step's deepest draft, learned per bucket of drafting requests (1, 2, 3-4, 5-8, ...); when it was not
+given (0), a bucket's first drafting step sets it.
 
 ``frozen=True`` (with the costs given up front) ignores observations: decisions then depend on the token
 history alone, so seeded runs repeat exactly (the deterministic mode of the adaptive policies).
@@ -67,6 +68,8 @@ class StepCostModel:
         self._ratio: tuple[dict[int, float], dict[int, float]] = ({}, {})
         self._scale = [1.0, 1.0]
         self._num_observed = [0, 0]
+        self._draft_given = self.draft_s_per_position != 0  # a prior to correct, not an unknown
+        self._draft_buckets: dict[int, float] = {}  # drafting seconds per position, by drafting rows
         for name in ("draft_s_per_position", "prior_slope"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < math.inf:
@@ -106,15 +109,47 @@ class StepCostModel:
         kind = int(prefill)
         return self.base_s(num_tokens) * self._ratio[kind].get(num_tokens, self._scale[kind])
 
-    def draft_s(self, depth: int) -> float:
-        """Predicted drafting seconds of a step whose deepest draft is ``depth``."""
-        return self.draft_s_per_position * depth
+    def set_draft_costs(self, per_position: dict[int, float]) -> None:
+        """Start the drafting cost per bucket from a profile ``{rows: seconds per draft position}`` (a
+        draft model's forward over ``rows`` requests), as if observed; ignored when frozen or when
+        ``draft_s_per_position`` was given (the frozen costs are the given ones)."""
+        if self.frozen or self._draft_given:
+            return
+        for rows, s in per_position.items():
+            if isinstance(rows, int) and rows >= 1 and isinstance(s, (int, float)) and 0 < s < math.inf:
+                self._draft_buckets[_bucket(rows)] = float(s)
+
+    def draft_s(self, depth: int, rows: int = 1) -> float:
+        """Predicted drafting seconds of a step whose deepest draft is ``depth``, drafted for ``rows``
+        requests: ``depth`` times the seconds per draft position learned for ``rows``' bucket (the
+        power of two at or above it), or for the nearest bucket observed (below it first), or
+        ``draft_s_per_position``. A head's draft step costs about the same for 1 or 16 requests; a draft
+        model's int8 step over 16 rows costs several times its one-row step, so buckets are learned
+        apart."""
+        if depth <= 0:
+            return 0.0
+        return self._per_position(rows) * depth
+
+    def _per_position(self, rows: int) -> float:
+        if not self._draft_buckets:
+            return self.draft_s_per_position
+        b = _bucket(rows)
+        if b in self._draft_buckets:
+            return self._draft_buckets[b]
+        below = [n for n in self._draft_buckets if n < b]
+        return self._draft_buckets[max(below) if below else min(self._draft_buckets)]
 
     def observe(
-        self, num_tokens: int, target_s: float, depth: int, draft_s: float, prefill: bool = False
+        self,
+        num_tokens: int,
+        target_s: float,
+        depth: int,
+        draft_s: float,
+        prefill: bool = False,
+        draft_rows: int = 1,
     ) -> None:
         """Fold one step's measured times in (ignored when frozen); ``prefill``: the step held prompt
-        chunks (corrected apart from decode steps)."""
+        chunks (corrected apart from decode steps); ``draft_rows``: the requests that drafted."""
         if self.frozen or not (0 < target_s < math.inf) or num_tokens < 1:
             return
         kind = int(prefill)
@@ -126,7 +161,22 @@ class StepCostModel:
         self._num_observed[kind] += 1
         if depth > 0 and 0 <= draft_s < math.inf:
             per = draft_s / depth
-            self.draft_s_per_position = (1 - self.decay) * self.draft_s_per_position + self.decay * per
+            b, d = _bucket(max(1, draft_rows)), self.decay
+            if b in self._draft_buckets:
+                self._draft_buckets[b] = (1 - d) * self._draft_buckets[b] + d * per
+            elif self._draft_given:  # a given cost is a prior to correct
+                self._draft_buckets[b] = (1 - d) * self._per_position(draft_rows) + d * per
+            else:
+                # A bucket's first measurement is taken outright: a running mean from the unknown 0
+                # would take tens of steps to learn that a draft model's steps cost a target step
+                # each, and the policy would draft as if drafting were free meanwhile.
+                self._draft_buckets[b] = per
+            self.draft_s_per_position = self._draft_buckets[b]
+
+
+def _bucket(rows: int) -> int:
+    """The power of two at or above ``rows`` (>= 1)."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
 def cost_model_from_kwargs(

@@ -9,25 +9,28 @@ SpecDec++ and vLLM's per-position metrics). The products ``q_i`` are estimated p
 towards ``prior_acceptance ** i``.
 
 Each step the policy picks one depth ``k`` for the batch (each request capped by its own limit) that
-maximises ``(n_0 + sum_r E_r(min(k, cap_r))) / (target_s(T(k)) + draft_s(k))``, where ``n_0`` counts
-the step's requests that do not draft (one token each), ``T(k)`` is the step's batched tokens (prefill
-chunks included: ``PolicyInput.num_scheduled_tokens`` plus the drafts) and the costs come from
-:class:`~specdec.policies.cost_model.StepCostModel` (the target's step profiled at start-up or loaded from
-the cache, :mod:`specdec.engine.cost_profile`, refreshed from observed steps; or costs given up front),
-then, least promising first, drops a request's drafts wherever the step's rate is higher without them.
+maximises ``(n_0 + sum_r E_r(min(k, cap_r))) / (target_s(T(k)) + draft_s(k))`` (in a step with prompt
+chunks: the expected tokens minus what its seconds would commit by plain decoding, see ``_rate``), where
+``n_0`` counts the step's requests that do not draft (one token each), ``T(k)`` is the step's batched
+tokens (prefill chunks included: ``PolicyInput.num_scheduled_tokens`` plus the drafts) and the costs come
+from :class:`~specdec.policies.cost_model.StepCostModel` (the target's step profiled at start-up or loaded
+from the cache, :mod:`specdec.engine.cost_profile`, refreshed from observed steps; or costs given up
+front; drafting seconds by drafting requests, a draft model's profiled at start-up), then, least
+promising first, drops a request's drafts wherever the step's rate is higher without them.
 ``k = 0`` (plain decoding) is always a candidate, so under a
 cost model that matches the machine speculation never loses on expectation. Exploration: a request that
 drafted nothing for ``explore_every`` of its tokens drafts one (its estimate can then recover), where
 that token would pay at the acceptance hoped for (the better of the population's figure and the prior).
 
 Calibration (``calibrate``): the policy drafts where its estimates are high, so the drafts it grants are
-chosen on estimates that run high (the winner's curse: at 16 requests on SmolLM2 with n-gram drafts the
-predicted accepted tokens of the granted drafts were 12.1 where 2 were accepted). Each granted draft's
-prediction, ``E - 1`` accepted tokens, is settled against what its request's ``spec_stats`` show at the
-request's next decision, and the expected accepted tokens of every candidate are scaled by
-``(accepted + w) / (predicted + w)`` over the settled decisions (``w = calibration_weight`` pseudo-tokens,
-older decisions weighed down by ``calibration_decay`` each), capped at the depth. Probes are not settled
-(their prediction is the hope, not the estimate) and are not scaled. A function of the token history.
+chosen on estimates that run high (the winner's curse: at 16 requests on SmolLM2 with n-gram drafts, the
+granted drafts were predicted to add 12.1 accepted tokens and added 2). Each granted draft's prediction,
+``E - 1`` accepted tokens over the drafts the drafter actually proposed, is settled against what its
+request's ``spec_stats`` show at the request's next decision, and the expected accepted tokens of every
+candidate are scaled by ``(accepted + w) / (predicted + w)`` over the settled decisions
+(``w = calibration_weight`` pseudo-tokens, older decisions weighed down by ``calibration_decay`` each),
+capped at the depth. Probes are not settled (their prediction is the hope, not the estimate) and are not
+scaled. A function of the token history.
 
 Exact: the depth is decided from committed history and costs before the step's drafts exist. With
 ``frozen=True`` the costs are fixed (given as ``step_s``, or the profiled / cached ones) and decisions
@@ -55,6 +58,10 @@ def expected_tokens(prefix_acceptance: list[float], k: int) -> float:
     """``1 + sum_{i<=k} q_i``: expected committed tokens of ``k`` drafts, where ``q_i`` is the probability
     that the first ``i`` drafts are all accepted (``prod_{j<=i} alpha_j``)."""
     return 1.0 + sum(prefix_acceptance[:k])
+
+
+def _better(score: float, best: float) -> bool:
+    return score > best + 1e-9 * abs(best)
 
 
 @register_policy("goodput")
@@ -123,16 +130,17 @@ class GoodputPolicy(PolicyBase):
         self.explore_every = explore_every
         self._accepted = [0] * self.k  # over all requests, per position
         self._drafted = [0] * self.k
-        # request id -> its output length when it last drafted (LRU-bounded): the exploration clock.
-        self._last_draft: OrderedDict[str, int] = OrderedDict()
+        # request id -> per depth j + 1, its output length when it last drafted >= j + 1 tokens (LRU-bounded):
+        # the exploration clocks.
+        self._last_draft: OrderedDict[str, list[int]] = OrderedDict()
         #: (batch size, chosen depth) of the latest decisions (bounded), for the metrics and tests.
         self.history: deque[tuple[int, int]] = deque(maxlen=HISTORY)
         self.calibrate = calibrate
         self.calibration_weight = float(calibration_weight)
         self.calibration_decay = float(calibration_decay)
-        # request id -> (predicted accepted tokens, its accepted tokens and draft steps then) of its
-        # latest granted draft not settled yet (LRU-bounded).
-        self._pending: OrderedDict[str, tuple[float, int, int]] = OrderedDict()
+        # request id -> (q_1 .. q_d of its granted depth d, its accepted tokens, draft steps and drafted
+        # tokens then) of its latest granted draft not settled yet (LRU-bounded).
+        self._pending: OrderedDict[str, tuple[list[float], int, int, int]] = OrderedDict()
         self._predicted = 0.0  # settled decisions, decayed: predicted and realised accepted tokens
         self._realised = 0.0
 
@@ -146,53 +154,87 @@ class GoodputPolicy(PolicyBase):
         return (self._realised + w) / (self._predicted + w)
 
     def _settle(self, batch: list[PolicyInput]) -> None:
-        """Settle the pending predictions of the batch's requests whose drafts were verified since."""
+        """Settle the pending predictions of the batch's requests whose drafts were verified since: the
+        prediction over the drafts actually proposed (a drafter may find fewer than granted, n-gram
+        lookup often does; those cost less too) against the tokens accepted."""
         d = self.calibration_decay
         for x in batch:
             rid, stats = x.request.request_id, x.request.spec_stats
             pending = self._pending.pop(rid, None)
             if pending is None or stats is None:
                 continue
-            predicted, accepted, drafts = pending
+            q, accepted, drafts, drafted = pending
             if stats.num_drafts > drafts:  # verified (a drafter that found nothing leaves no evidence)
-                self._predicted = d * self._predicted + predicted
+                proposed = min(len(q), stats.num_draft_tokens - drafted)
+                self._predicted = d * self._predicted + sum(q[:proposed])
                 self._realised = d * self._realised + (stats.num_accepted_tokens - accepted)
 
     def set_step_costs(self, step_s: dict[int, float]) -> None:
         """Take the engine's profiled target step costs (frozen ones too: they are the costs to freeze)."""
         self.costs.set_base(step_s)
 
+    def set_draft_costs(self, per_position: dict[int, float]) -> None:
+        """Take a draft model's profiled forward by drafting rows as the starting drafting costs (not
+        when frozen: the profile is not cached, so it would differ between runs)."""
+        self.costs.set_draft_costs(per_position)
+
     def _shrunk(self, accepted: int, drafted: int, prior: float) -> float:
         w = self.prior_weight
         return (accepted + w * prior) / (drafted + w) if drafted + w > 0 else prior
 
-    def acceptance(self, x: PolicyInput) -> list[float]:
-        """``q_1 .. q_k``: the estimated probability that the request's first ``i`` drafts are all
-        accepted (its ``spec_stats``: steps that accepted position ``i`` ÷ steps that drafted it, shrunk
-        towards the population's figure, itself shrunk towards ``prior_acceptance ** i``), made
-        non-increasing."""
-        stats = x.request.spec_stats
+    def population(self) -> list[float]:
+        """``q_1 .. q_k`` over all requests so far: steps that accepted position ``i`` ÷ steps that
+        drafted it, shrunk towards ``prior_acceptance`` at position 1 and, further on, towards the
+        figure before it times the first position's (acceptance i.i.d. over positions, Leviathan et al.,
+        where nothing was drafted that deep yet), made non-increasing."""
         out: list[float] = []
         for j in range(self.k):
-            population = self._shrunk(self._accepted[j], self._drafted[j], self.prior_acceptance ** (j + 1))
-            acc = drafted = 0
-            if stats is not None and j < len(stats.accepted_per_position):
-                acc, drafted = stats.accepted_per_position[j], stats.drafted_per_position[j]
-            q = self._shrunk(acc, drafted, population)
+            prior = self.prior_acceptance if j == 0 else out[-1] * out[0]
+            q = self._shrunk(self._accepted[j], self._drafted[j], prior)
             out.append(min(q, out[-1]) if out else q)
         return out
 
-    def _rate(self, gain: float, tokens: int, max_depth: int, prefill: bool) -> float:
-        """Expected committed tokens per second of a step: ``gain`` expected committed tokens over
-        ``tokens`` batched tokens whose deepest draft is ``max_depth``."""
-        seconds = self.costs.target_s(tokens, prefill) + self.costs.draft_s(max_depth)
-        return gain / seconds
+    def acceptance(self, x: PolicyInput, population: list[float] | None = None) -> list[float]:
+        """``q_1 .. q_k``: the estimated probability that the request's first ``i`` drafts are all
+        accepted (its ``spec_stats``: steps that accepted position ``i`` ÷ steps that drafted it, shrunk
+        towards its own figure at ``i - 1`` times the population's acceptance at ``i`` given ``i - 1``;
+        at position 1 towards the population's figure, :meth:`population`), made non-increasing. A
+        request whose first drafts are nearly always accepted so expects the same further on, and a
+        policy that granted it one draft at a time learns whether deeper drafts pay."""
+        pop = population if population is not None else self.population()
+        stats = x.request.spec_stats
+        out: list[float] = []
+        for j in range(self.k):
+            acc = drafted = 0
+            if stats is not None and j < len(stats.accepted_per_position):
+                acc, drafted = stats.accepted_per_position[j], stats.drafted_per_position[j]
+            if j == 0:
+                prior = pop[0]
+            else:
+                prior = out[-1] * (pop[j] / pop[j - 1]) if pop[j - 1] > 0 else 0.0
+            q = self._shrunk(acc, drafted, prior)
+            out.append(min(q, out[-1]) if out else q)
+        return out
+
+    def _rate(
+        self, gain: float, tokens: int, depths: list[int], prefill: bool, value: float | None = None
+    ) -> float:
+        """The score of a step whose requests draft ``depths``: ``gain`` expected committed tokens over
+        ``tokens`` batched tokens. A decode step: its expected committed tokens per second. A step with
+        prompt chunks (``value``: the tokens per second a plain decode step of the batch would commit):
+        ``gain - value * seconds``, the tokens gained beyond what that time buys by plain decoding. A
+        prompt chunk makes the step slow, so by its own rate any drafts would look cheap (16 requests'
+        drafts from a draft model in their prompt's last step cost more per token than decoding)."""
+        rows = sum(d > 0 for d in depths)
+        seconds = self.costs.target_s(tokens, prefill) + self.costs.draft_s(max(depths, default=0), rows)
+        return gain / seconds if value is None else gain - value * seconds
 
     def decide(self, batch: list[PolicyInput]) -> list[int]:
         if self.calibrate:
             self._settle(batch)
         scale = self.calibration
-        alphas = [self.acceptance(x) for x in batch]
+        population = self.population()
+        alphas = [self.acceptance(x, population) for x in batch]
         # gains[r][d]: request r's expected committed tokens with d drafts, its expected accepted tokens
         # scaled by the calibration and capped at d.
         gains = [[1.0] + [1 + min(d, scale * sum(a[:d])) for d in range(1, self.k + 1)] for a in alphas]
@@ -200,14 +242,16 @@ class GoodputPolicy(PolicyBase):
         base = batch[0].num_scheduled_tokens or batch[0].batch_size
         others = batch[0].batch_size - len(batch)  # requests that do not draft: about one token each
         prefill = base > batch[0].batch_size  # prompt chunks in the step
+        size = batch[0].batch_size
+        value = size / self.costs.target_s(size) if prefill else None
         best = [0] * len(batch)
         best_gain = others + float(len(batch))
-        best_rate = self._rate(best_gain, base, 0, prefill)
+        best_rate = self._rate(best_gain, base, best, prefill, value)
         for k in range(1, self.k + 1):
             depths = [min(k, x.max_drafts) for x in batch]
             gain = others + sum(g[d] for g, d in zip(gains, depths))
-            rate = self._rate(gain, base + sum(depths), max(depths), prefill)
-            if rate > best_rate * (1 + 1e-9):
+            rate = self._rate(gain, base + sum(depths), depths, prefill, value)
+            if _better(rate, best_rate):
                 best, best_gain, best_rate = depths, gain, rate
         # Then each request's drafts alone, least promising first: dropped where the step does better
         # without them.
@@ -216,25 +260,26 @@ class GoodputPolicy(PolicyBase):
                 continue
             trial = best[:r] + [0] + best[r + 1 :]
             gain = best_gain - gains[r][best[r]] + 1
-            rate = self._rate(gain, base + sum(trial), max(trial), prefill)
-            if rate > best_rate * (1 + 1e-9):
+            rate = self._rate(gain, base + sum(trial), trial, prefill, value)
+            if _better(rate, best_rate):
                 best, best_gain, best_rate = trial, gain, rate
         if self.calibrate:
             for x, a, d in zip(batch, alphas, best):
                 if d > 0:
-                    self._remember(x, expected_tokens(a, d) - 1)
+                    self._remember(x, a[:d])
         if self.explore_every:
-            best = self._explore(batch, best, best_gain, base, prefill)
+            best = self._explore(batch, best, best_gain, base, prefill, value, alphas, population)
         self.history.append((batch[0].batch_size, max(best, default=0)))
         return best
 
-    def _remember(self, x: PolicyInput, predicted: float) -> None:
+    def _remember(self, x: PolicyInput, q: list[float]) -> None:
         stats = x.request.spec_stats
         rid = x.request.request_id
         self._pending[rid] = (
-            predicted,
+            q,
             stats.num_accepted_tokens if stats is not None else 0,
             stats.num_drafts if stats is not None else 0,
+            stats.num_draft_tokens if stats is not None else 0,
         )
         self._pending.move_to_end(rid)
         while len(self._pending) > HISTORY:
@@ -242,38 +287,62 @@ class GoodputPolicy(PolicyBase):
 
     def _hope(self) -> list[float]:
         """The acceptance a probe hopes to find: per position the better of the population's figure and
-        the prior (``q_1 .. q_k``, non-increasing)."""
+        the prior, plus an optimism bonus ``1 / sqrt(n + 1)`` over the ``n`` steps that drafted position 1
+        (capped at 1; ``q_1 .. q_k``, non-increasing): with nothing drafted yet a probe hopes for
+        everything, so a drafter whose acceptance is far above the prior (self-drafting: 0.95 against
+        0.5) is tried even where the prior says drafting cannot pay, and the hope settles on the measured
+        figure as probes accumulate."""
+        bonus = 1 / math.sqrt(self._drafted[0] + 1) if self.k else 0.0
         out: list[float] = []
         for j in range(self.k):
             prior = self.prior_acceptance ** (j + 1)
-            q = max(prior, self._shrunk(self._accepted[j], self._drafted[j], prior))
+            q = min(1.0, max(prior, self._shrunk(self._accepted[j], self._drafted[j], prior)) + bonus)
             out.append(min(q, out[-1]) if out else q)
         return out
 
     def _explore(
-        self, batch: list[PolicyInput], depths: list[int], gain: float, base: int, prefill: bool
+        self,
+        batch: list[PolicyInput],
+        depths: list[int],
+        gain: float,
+        base: int,
+        prefill: bool,
+        value: float | None,
+        alphas: list[list[float]],
+        population: list[float],
     ) -> list[int]:
         """A request that has not drafted for ``explore_every`` of its tokens drafts one token (its
         estimate sank, perhaps on a stretch of text the drafter cannot predict: a probe lets it recover),
         if the step (expected committed tokens ``gain`` with ``depths``) would gain from that token at
         the acceptance it hopes for (:meth:`_hope`); where the step's cost forbids drafting whatever the
-        acceptance (a large batch on a compute-bound machine), probes would only cost. A function of the
-        token history and the costs, so deterministic when frozen."""
+        acceptance (a large batch on a compute-bound machine), probes would only cost. Likewise a request
+        held at depth ``d`` for ``explore_every`` tokens drafts ``d + 1`` where that pays at its own
+        ``q_d`` times the acceptance hoped for at the next position (the better of the prior and the
+        population's conditional figure): one rejection at position 2 would otherwise keep a request at
+        one draft for good, its position-2 estimate never seeing another draft. A function of the token
+        history and the costs, so deterministic when frozen."""
         out = list(depths)
-        tokens, deepest = base + sum(out), max(out, default=0)
+        tokens = base + sum(out)
         hope: float | None = None
         for i, x in enumerate(batch):
             rid, n = x.request.request_id, x.request.num_output_tokens
-            last = self._last_draft.get(rid)
-            if last is None or out[i] > 0:
-                self._last_draft[rid] = n
-            elif n - last >= self.explore_every:
-                hope = self._hope()[0] if hope is None else hope
-                if self._rate(gain + hope, tokens + 1, max(deepest, 1), prefill) > self._rate(
-                    gain, tokens, deepest, prefill
-                ):
-                    out[i], self._last_draft[rid] = 1, n
-                    gain, tokens, deepest = gain + hope, tokens + 1, max(deepest, 1)
+            last = self._last_draft.get(rid)  # per depth j + 1: output length when it last drafted >= j + 1
+            if last is None:
+                last = self._last_draft[rid] = [n] * self.k
+            d = out[i]
+            if d < min(x.max_drafts, self.k) and n - last[d] >= self.explore_every:
+                if d == 0:
+                    hope = self._hope()[0] if hope is None else hope
+                    extra = hope
+                else:
+                    cond = population[d] / population[d - 1] if population[d - 1] > 0 else 0.0
+                    extra = alphas[i][d - 1] * max(self.prior_acceptance, cond)
+                trial = out[:i] + [d + 1] + out[i + 1 :]
+                with_probe = self._rate(gain + extra, tokens + 1, trial, prefill, value)
+                if _better(with_probe, self._rate(gain, tokens, out, prefill, value)):
+                    out, gain, tokens = trial, gain + extra, tokens + 1
+            for j in range(out[i]):
+                last[j] = n
             self._last_draft.move_to_end(rid)
         while len(self._last_draft) > HISTORY:
             self._last_draft.popitem(last=False)
@@ -281,7 +350,9 @@ class GoodputPolicy(PolicyBase):
 
     def observe_step(self, step: StepObservation) -> None:
         """Fold a step's times and acceptance into the cost model and the population prior."""
-        self.costs.observe(step.num_tokens, step.target_s, step.max_depth, step.draft_s, step.prefill)
+        self.costs.observe(
+            step.num_tokens, step.target_s, step.max_depth, step.draft_s, step.prefill, len(step.per_request)
+        )
         for drafted, accepted in step.per_request:
             for j in range(min(drafted, self.k)):
                 self._drafted[j] += 1
