@@ -233,11 +233,67 @@ def test_prompt_chunks_do_not_make_untried_decode_counts_look_cheap():
     assert policy.costs.target_s(8) == pytest.approx(0.04)  # decode counts untouched
 
 
+def test_profiled_costs_never_fall_with_more_tokens():
+    from specdec.engine.cost_profile import monotone
+
+    # A 5-token forward timed above an 8-token one (host noise) takes the 8-token figure.
+    profiled = {1: 0.129, 2: 0.133, 4: 0.132, 5: 0.158, 8: 0.132, 16: 0.150}
+    assert monotone(profiled) == {1: 0.129, 2: 0.132, 4: 0.132, 5: 0.132, 8: 0.132, 16: 0.150}
+    assert monotone({}) == {}
+
+
+def test_cost_model_learns_the_catch_up_cost_per_token():
+    from specdec.policies.cost_model import StepCostModel
+
+    costs = StepCostModel({1: 0.01})
+    costs.observe(1, 0.01, 0, 0.0, catch_up_s=0.3, catch_up_tokens=100)  # nothing profiled: outright
+    assert costs.catch_up_s_per_token == pytest.approx(0.003)
+    costs.observe(1, 0.01, 0, 0.0, catch_up_s=0.1, catch_up_tokens=100)
+    assert costs.catch_up_s_per_token == pytest.approx(0.9 * 0.003 + 0.1 * 0.001)
+    costs.observe(1, 0.01, 0, 0.0)  # no catch-up this step: unchanged
+    assert costs.catch_up_s_per_token == pytest.approx(0.9 * 0.003 + 0.1 * 0.001)
+    profiled = StepCostModel({1: 0.01})
+    profiled.set_draft_costs({1: 0.004}, catch_up_s_per_token=0.002)
+    assert profiled.catch_up_s_per_token == 0.002 and profiled.draft_s(1) == 0.004
+    frozen = StepCostModel({1: 0.01}, frozen=True)
+    frozen.set_draft_costs({1: 0.004}, catch_up_s_per_token=0.002)
+    frozen.observe(1, 0.01, 0, 0.0, catch_up_s=0.3, catch_up_tokens=100)
+    assert frozen.catch_up_s_per_token == 0.0 and frozen.draft_s(1) == 0.0
+
+
+def test_goodput_charges_the_catch_up_over_the_tokens_left():
+    from types import SimpleNamespace
+
+    def inputs(backlog, out, max_tokens=64):
+        req = SimpleNamespace(
+            spec_stats=_stats([95, 90, 85, 80], [100, 100, 100, 100]), request_id="r", token_ids=[1],
+            num_output_tokens=out, sampling_params=SimpleNamespace(max_tokens=max_tokens),
+        )  # fmt: skip
+        return [PolicyInput(req, 4, 1, 1, 1, backlog)]
+
+    # A draft position costs half a step; a draft model reads a backlog at 1 ms per token.
+    kwargs = {"step_s": [[n, 0.010] for n in range(1, 9)], "draft_s_per_position": 0.005, "explore_every": 0}
+    policy = build_policy("goodput", PolicyContext(4), kwargs)
+    policy.costs.catch_up_s_per_token = 0.001
+    # 150 tokens of prompt over 64 tokens left: 2.3 ms per committed token.
+    assert policy.charges(inputs(150, 0)) == [pytest.approx(0.001 * 150 / 64)]
+    assert policy.charges(inputs(0, 0)) == [0.0]
+    assert policy.decide(inputs(0, 0)) == [4]  # caught up: E(4) = 4.5 tokens in 30 ms beats 1 in 10
+    assert policy.decide(inputs(150, 0)) == [4]  # the prompt's catch-up spread over 64 tokens: still pays
+    # The same backlog with 4 tokens left: 37.5 ms per committed token, drafting cannot repay it.
+    assert policy.charges(inputs(150, 60)) == [pytest.approx(0.001 * 150 / 4)]
+    assert policy.decide(inputs(150, 60)) == [0]
+    off = build_policy("goodput", PolicyContext(4), {**kwargs, "charge_catch_up": False})
+    off.costs.catch_up_s_per_token = 0.001
+    assert off.charges(inputs(150, 60)) == [0.0] and off.decide(inputs(150, 60)) == [4]
+
+
 def test_goodput_config_errors():
     for kwargs, match in [
         ({"prior_acceptance": 1.5}, "prior_acceptance"),
         ({"prior_weight": -1}, "prior_weight"),
         ({"frozen": True, "profile": False}, "frozen=True needs step_s or profile"),
+        ({"charge_catch_up": 1}, "charge_catch_up"),
         ({"frozen": 1}, "booleans"),
         ({"explore_every": -1}, "explore_every"),
         ({"step_s": [[0, 0.01]]}, "step_s entries"),
@@ -531,10 +587,15 @@ class LatePolicy:
     """No drafts until a request has written 12 tokens, then all it may."""
 
     def __init__(self, ctx: PolicyContext) -> None:
-        pass
+        self.backlogs: list[tuple[str, int, int]] = []  # (request, output tokens, draft_backlog)
+        self.catch_up_tokens = 0  # reported by the engine's step observations
 
     def decide(self, batch: list[PolicyInput]) -> list[int]:
+        self.backlogs += [(x.request.request_id, x.request.num_output_tokens, x.draft_backlog) for x in batch]
         return [x.max_drafts if x.request.num_output_tokens >= 12 else 0 for x in batch]
+
+    def observe_step(self, step) -> None:
+        self.catch_up_tokens += step.catch_up_tokens
 
 
 def test_draft_model_catches_up_lazily_in_chunks(setup, monkeypatch):
@@ -579,6 +640,23 @@ def test_draft_model_catches_up_lazily_in_chunks(setup, monkeypatch):
     assert calls and all(tokens <= 3 * segments for segments, tokens in first_catch_up[:-1])
     assert len(calls) >= (len(PROMPT * 3) + 12 - 2) // 3
     assert any(t > 0 for t in catch_ups)
+    # The policy saw each request's backlog: everything but the last token until its first draft
+    # (prompt + output - 1), at most 1 once it drafts every step (its last accepted draft, never fed to
+    # the draft model, rides in the next drafting forward beside the bonus token); the catch-up
+    # forwards read each backlog but the CATCH_UP_SEPARATE (2) tokens left for the drafting forward:
+    # backlog + 1 - 2 tokens per request, as the engine reported to the policy.
+    policy = llm.engine.policy
+    lens = {o.request_id: len(p) for o, p in zip(outs, prompts)}
+    first = {}
+    for rid, n, backlog in policy.backlogs:
+        if n < 12:
+            assert backlog == lens[rid] + n - 1
+        elif rid in first:
+            assert backlog <= 1
+        else:
+            first[rid] = backlog
+    assert sorted(first.values()) == sorted(lens[rid] + 11 for rid in lens)
+    assert policy.catch_up_tokens == sum(b - 1 for b in first.values())
 
 
 def test_a_faulty_policy_ends_speculation_for_its_requests_only(setup, caplog):
@@ -631,7 +709,8 @@ def test_sampling_under_a_varying_depth_matches_the_target(setup):
         ("ucb", {"frozen": True}),
         # Learning from measured times (so not repeatable), probing after every undrafted token so that
         # it drafts in many steps: exact all the same, the depth being chosen before the drafts exist.
-        ("goodput", {"explore_every": 1}),
+        # Requests of two tokens would never repay the draft model's catch-up on their prompt: no charge.
+        ("goodput", {"explore_every": 1, "charge_catch_up": False}),
     ],
     ids=["goodput-frozen", "ucb-frozen", "goodput-learning"],
 )

@@ -109,6 +109,11 @@ class Drafter(Protocol):
     ``uses_hidden_states``: the drafter reads the target's final-norm features (Medusa, EAGLE): every
     target forward then returns them and :meth:`observe` receives those of the committed tokens.
     Subclass :class:`DrafterBase` for no-op defaults of everything but :meth:`propose`.
+
+    Optional, read by the engine where present (:class:`DrafterBase` has the defaults): a drafter that
+    reads the committed tokens lazily (a draft model) tells the speculation policy its per-request
+    ``draft_backlog(request, num_new_tokens) -> int`` and reports, after each :meth:`propose`, the
+    seconds and tokens of its catch-up forwards in ``catch_up_s`` / ``catch_up_tokens``.
     """
 
     uses_hidden_states: bool
@@ -148,9 +153,18 @@ class DrafterBase:
     """No-op defaults of the :class:`Drafter` hooks; a subclass implements :meth:`propose`."""
 
     uses_hidden_states: bool = False
+    #: Seconds and tokens of the latest :meth:`propose`'s catch-up forwards of their own (0: none).
+    catch_up_s: float = 0.0
+    catch_up_tokens: int = 0
 
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
         raise NotImplementedError
+
+    def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
+        """Tokens the drafter would read before drafting for ``request`` this step, beyond the last one
+        (``num_new_tokens``: the step's new tokens of the request, a prompt chunk or 1): 0 for a drafter
+        that keeps up every step (n-gram, suffix, heads fed every step's features)."""
+        return 0
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         return None

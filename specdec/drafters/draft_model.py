@@ -139,8 +139,9 @@ class DraftModelDrafter(DrafterBase):
         self.generator = ctx.generator
         self.compilation = ctx.compilation
         self.states: RequestStates[_DraftKV] = RequestStates(_DraftKV)
-        #: Seconds the latest :meth:`propose` spent in catch-up forwards of their own (long backlogs).
+        #: Seconds and tokens of the latest :meth:`propose`'s catch-up forwards of their own (long backlogs).
         self.catch_up_s = 0.0
+        self.catch_up_tokens = 0
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return ModelRunner.kv_bytes_per_block(self.model, block_size, next(self.model.parameters()).dtype)
@@ -151,6 +152,13 @@ class DraftModelDrafter(DrafterBase):
 
     def reset(self, request: Request) -> None:
         self.states.reset(request)
+
+    def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
+        """Committed tokens (this step's new ones included) without draft K/V yet, the last one aside
+        (it rides in the drafting forward): the catch-up a first draft for the request would pay."""
+        state = self.states.peek(request)
+        done = state.num_computed if state is not None else 0
+        return max(0, request.num_computed_tokens + num_new_tokens - 1 - done)
 
     def _state(self, request: Request) -> _DraftKV:
         return self.states.get(request)
@@ -174,7 +182,7 @@ class DraftModelDrafter(DrafterBase):
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
         proposals = [DraftProposal([]) for _ in batch]
-        self.catch_up_s = 0.0
+        self.catch_up_s, self.catch_up_tokens = 0.0, 0
         # 1. Catch up on committed tokens of the drafting requests; the last row of each gives draft 1.
         spans: dict[int, tuple[int, int]] = {}
         for i, x in enumerate(batch):
@@ -250,6 +258,7 @@ class DraftModelDrafter(DrafterBase):
                     req = batch[i].request
                     segments.append(Segment(req.block_ids, a, req.token_ids[a : a + n], 0))
                     spans[i] = (a + n, b)
+                    self.catch_up_tokens += n
             if not segments:
                 break
             runner.execute(build_inputs(segments, self.block_size, runner.device))

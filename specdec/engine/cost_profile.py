@@ -10,7 +10,11 @@ form, ``min(max_num_seqs, 32) × (num_draft_slots + 1)`` capped by ``max_num_bat
 ``num_speculative_tokens + 1``), ``min(T, max_num_seqs)`` sequences of about ``T / b`` new tokens at
 positions from 0, every row's logits wanted (verification rows), on scratch KV blocks taken from the pool
 and given back (they may evict cached prefixes; done once per engine, before its first schedule). One
-warm-up forward (a compiled bucket compiles here), then the median of ``repeats`` timed forwards. This is
+warm-up forward (a compiled bucket compiles here), then the fastest of ``repeats`` timed forwards (a
+forward's cost is its fastest run; slower ones met the host's other work: with the median of 3, a
+16-token step of Qwen2.5-Coder 1.5B read 150 ms against 125 ms in decoding, and a 5-token step cost more
+than an 8-token one). Then no count costs more than a larger one (a forward over fewer tokens does no
+more work): ``cost(n) = min(cost(m) for m >= n)``. This is
 the weight-bound part of a step (contexts are short); attention over long contexts, sampling and
 verification are learned from observed steps by the policies' cost model (unless frozen).
 
@@ -31,7 +35,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,8 +49,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("specdec.engine")
 
-#: Timed forwards per token count (the median is kept).
-REPEATS = 3
+#: Timed forwards per token count (the fastest is kept).
+REPEATS = 5
+#: The profiling method, in the cache key (a cached profile taken another way is not reused).
+PROFILE_METHOD = 2
+#: Tokens of the catch-up forward a draft model is profiled with (:func:`draft_model_costs`).
+CATCH_UP_PROFILE_TOKENS = 256
 
 
 def cache_path() -> Path | None:
@@ -104,6 +111,7 @@ def cost_key(engine: LLMEngine) -> tuple[str, dict[str, Any]]:
         # The library and its CPU kernels: a profile taken before an upgrade is not today's cost.
         "specdec": specdec.__version__,
         "cpu_kernels": _kernels_key(),
+        "profile_method": PROFILE_METHOD,
     }
     blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20], what
@@ -122,16 +130,22 @@ def token_counts(engine: LLMEngine) -> list[int]:
 
 @torch.inference_mode()
 def profile_target(
-    engine: LLMEngine, counts: list[int], repeats: int = REPEATS, runner: Any = None
+    engine: LLMEngine,
+    counts: list[int],
+    repeats: int = REPEATS,
+    runner: Any = None,
+    max_seqs: int | None = None,
 ) -> dict[int, float]:
-    """Seconds of one target forward per token count in ``counts`` (median of ``repeats``), on scratch
-    blocks of the KV pool; counts that do not fit in the free blocks are skipped. ``runner``: another
-    runner over the same block tables (a draft model's) instead of the target's."""
+    """Seconds of one target forward per token count in ``counts`` (the fastest of ``repeats``, then made
+    non-decreasing in the count, see the module docstring), on scratch blocks of the KV pool; counts that
+    do not fit in the free blocks are skipped. ``runner``: another runner over the same block tables (a
+    draft model's) instead of the target's. ``max_seqs``: at most this many sequences per forward
+    (default: the scheduler's ``max_num_seqs``; fewer, longer sequences time a prompt chunk)."""
     pool = engine.kv.pool
     with_hidden = runner is None and engine.drafter is not None and engine.drafter.uses_hidden_states
     runner = runner or engine.runner
     bs = runner.block_size
-    max_seqs = engine.scheduler.config.max_num_seqs
+    max_seqs = max_seqs or engine.scheduler.config.max_num_seqs
     out: dict[int, float] = {}
     for count in counts:
         b = min(count, max_seqs)
@@ -156,10 +170,20 @@ def profile_target(
                     torch.cuda.synchronize(runner.device)
                 if i:  # the first call warms up (and compiles a bucket)
                     times.append(time.perf_counter() - t0)
-            out[count] = statistics.median(times)
+            out[count] = min(times)
         finally:
             pool.free(blocks)
-    return out
+    return monotone(out)
+
+
+def monotone(costs: dict[int, float]) -> dict[int, float]:
+    """``{n: min(costs[m] for m >= n)}``: no token count costs more than a larger one."""
+    out: dict[int, float] = {}
+    low = float("inf")
+    for n in sorted(costs, reverse=True):
+        low = min(low, costs[n])
+        out[n] = low
+    return dict(sorted(out.items()))
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -170,27 +194,33 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
-def draft_model_costs(engine: LLMEngine) -> dict[int, float]:
-    """``{rows: seconds}`` of one draft-model forward over ``rows`` requests' one token each (rows 1, 2,
-    4, ... up to ``min(max_num_seqs, 32)``): a draft position's cost for that many drafting requests,
-    profiled now (a second or two; not cached). Empty for drafters without a model runner of their own
-    (n-gram, suffix: drafting costs next to nothing; EAGLE and Medusa heads: learned from steps)."""
+def draft_model_costs(engine: LLMEngine) -> tuple[dict[int, float], float]:
+    """A draft model's costs, profiled now (a second or two; not cached): ``({rows: seconds}, seconds per
+    token)``, one forward over ``rows`` requests' one token each (rows 1, 2, 4, ... up to
+    ``min(max_num_seqs, 32)``: a draft position's cost for that many drafting requests), and a catch-up
+    forward's seconds per token (:data:`CATCH_UP_PROFILE_TOKENS` tokens over 4 requests: what the draft
+    model pays to read a request's backlog, a prompt for one, before its first draft). ``({}, 0.0)`` for
+    drafters without a model runner of their own (n-gram, suffix: drafting costs next to nothing; EAGLE
+    and Medusa heads: learned from steps)."""
     from specdec.model_runner import ModelRunner
 
     runner = getattr(engine.drafter, "runner", None)
     if not isinstance(runner, ModelRunner):
-        return {}
+        return {}, 0.0
     cap = min(engine.scheduler.config.max_num_seqs, 32)
     rows = [r for r in (2**i for i in range(6)) if r <= cap]
     t0 = time.perf_counter()
     costs = profile_target(engine, rows, runner=runner)
+    n = CATCH_UP_PROFILE_TOKENS
+    catch_up = profile_target(engine, [n], runner=runner, max_seqs=4).get(n, 0.0) / n
     logger.info(
-        "profiled the draft model at %d batch sizes in %.1f s: %s",
+        "profiled the draft model at %d batch sizes in %.1f s: %s; catch-up %.3f ms per token",
         len(costs),
         time.perf_counter() - t0,
         ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in costs.items()),
+        catch_up * 1e3,
     )
-    return costs
+    return costs, catch_up
 
 
 def step_costs(engine: LLMEngine) -> dict[int, float]:

@@ -144,7 +144,8 @@ class LLMEngine:
         self._policy_prepared: SpeculationPolicy | None = None  # the policy that got the step costs
         self._policy_learns = True  # False once the policy's observe_step raised
         self._step_costs: dict[int, float] | None = None  # the target's profiled step costs
-        self._draft_costs: dict[int, float] | None = None  # a draft model's, by drafting rows
+        # A draft model's profile: seconds per draft position by drafting rows, catch-up seconds per token.
+        self._draft_costs: tuple[dict[int, float], float] | None = None
         self.kv, self.scheduler = build_scheduler(parts, cache_config, scheduler_config, spec)
         self.spec_stats: SpecStats | None = None
         self.reset_spec_stats()
@@ -297,7 +298,8 @@ class LLMEngine:
 
     def prepare_policy(self) -> None:
         """Hand the policy the target's step costs if it wants them (``wants_step_costs``), and a draft
-        model's forward by drafting rows to a policy with ``set_draft_costs``: profiled once
+        model's forward by drafting rows and its catch-up cost per token to a policy with
+        ``set_draft_costs``: profiled once
         per engine, or loaded from the cache (:mod:`specdec.engine.cost_profile`). ``step`` calls it
         before a new policy's first decision; call it yourself to keep the profile out of a timed run.
         Run it between steps (the profile borrows free KV blocks)."""
@@ -317,7 +319,8 @@ class LLMEngine:
                 if self._draft_costs is None:
                     self._draft_costs = draft_model_costs(self)
                 try:
-                    set_draft_costs(dict(self._draft_costs))
+                    per_position, catch_up = self._draft_costs
+                    set_draft_costs(dict(per_position), catch_up_s_per_token=catch_up)
                 except Exception as e:
                     logger.warning(
                         "the speculation policy's set_draft_costs raised %s: %s", type(e).__name__, e
@@ -341,7 +344,8 @@ class LLMEngine:
         if self.drafter is not None:
             t0 = time.perf_counter()
             if self.policy is not None:
-                apply_policy(self.policy, scheduled, self._policy_disabled)
+                backlog = getattr(self.drafter, "draft_backlog", None)
+                apply_policy(self.policy, scheduled, self._policy_disabled, backlog)
             propose_drafts(
                 self.drafter, scheduled, self.model_cfg.vocab_size, lambda s, m: self.fail(s.request, m)
             )
@@ -370,10 +374,18 @@ class LLMEngine:
             self.spec_stats.verify_time_s += target_s
         if self.policy is not None and self._policy_learns:
             # Catch-up forwards over long backlogs (a draft model resuming) are a one-off, not a cost
-            # per draft position: the policy learns drafting seconds without them.
-            drafting_s = max(0.0, draft_s - getattr(self.drafter, "catch_up_s", 0.0))
+            # per draft position: the policy learns drafting seconds without them, and their cost per
+            # token apart.
+            catch_up_s = float(getattr(self.drafter, "catch_up_s", 0.0))
+            catch_up_tokens = int(getattr(self.drafter, "catch_up_tokens", 0))
             self._policy_learns = observe_policy(
-                self.policy, scheduled, batch.sampling, results, drafting_s, target_s
+                self.policy,
+                scheduled,
+                batch.sampling,
+                results,
+                max(0.0, draft_s - catch_up_s),
+                target_s,
+                (catch_up_s, catch_up_tokens),
             )
         return failed + updated
 

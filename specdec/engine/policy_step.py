@@ -10,10 +10,12 @@ cut to it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from specdec.engine.admission import is_index
 from specdec.policies.base import PolicyInput, SpeculationPolicy, StepObservation
+from specdec.request import Request
 from specdec.scheduler import ScheduledRequest
 
 if TYPE_CHECKING:
@@ -22,11 +24,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specdec.engine")
 
 
-def apply_policy(policy: SpeculationPolicy, scheduled: list[ScheduledRequest], disabled: set[str]) -> None:
+def apply_policy(
+    policy: SpeculationPolicy,
+    scheduled: list[ScheduledRequest],
+    disabled: set[str],
+    backlog: Callable[[Request, int], int] | None = None,
+) -> None:
     """Lower each scheduled request's drafter depth (``max_draft_depth - num_forced_slots``) to the
     policy's answer; the positions reserved for grammar-aware drafting stay (their drafts cost a slot
     and are forced by the grammar). ``disabled``: ids of requests whose policy failed (they draft
-    nothing; ids are added here, removed when they end)."""
+    nothing; ids are added here, removed when they end). ``backlog``: the drafter's
+    ``draft_backlog(request, num_new_tokens)`` (for ``PolicyInput.draft_backlog``; None: 0)."""
     for s in scheduled:
         if s.request.request_id in disabled:
             s.max_draft_depth = s.num_forced_slots = 0
@@ -36,7 +44,12 @@ def apply_policy(policy: SpeculationPolicy, scheduled: list[ScheduledRequest], d
     num_tokens = sum(s.num_new_tokens for s in scheduled)
     inputs = [
         PolicyInput(
-            s.request, s.max_draft_depth - s.num_forced_slots, len(scheduled), len(drafting), num_tokens
+            s.request,
+            s.max_draft_depth - s.num_forced_slots,
+            len(scheduled),
+            len(drafting),
+            num_tokens,
+            backlog(s.request, s.num_new_tokens) if backlog is not None else 0,
         )
         for s in drafting
     ]
@@ -78,8 +91,10 @@ def observe_policy(
     results: list[VerifyResult],
     draft_s: float,
     target_s: float,
+    catch_up: tuple[float, int] = (0.0, 0),
 ) -> bool:
-    """Hand a learning policy (one with ``observe_step``) the step's cost and acceptance. Returns False
+    """Hand a learning policy (one with ``observe_step``) the step's cost and acceptance (``draft_s``
+    without the catch-up forwards, whose seconds and tokens are ``catch_up``). Returns False
     when ``observe_step`` raised (logged; the engine then skips the policy's learning from then on, and
     its decisions continue)."""
     observe = getattr(policy, "observe_step", None)
@@ -98,6 +113,8 @@ def observe_policy(
         per_request=tuple(per_request),
         num_committed=sum(len(r.token_ids) for r in results),
         prefill=any(s.num_new_tokens > 1 or not s.sample for s in scheduled),
+        catch_up_s=catch_up[0],
+        catch_up_tokens=catch_up[1],
     )
     try:
         observe(step)

@@ -49,6 +49,9 @@ class PolicyInput:
         num_drafting: requests of this step that may draft (this one included).
         num_scheduled_tokens: the step's batched tokens before any drafts (prefill chunks included; 0:
             unknown, taken as one per request).
+        draft_backlog: tokens the drafter must read before it can draft for this request (a draft model
+            that has not drafted for it lately: its prompt, the tokens since; 0 for drafters that keep
+            up every step), a one-off cost of drafting now.
     """
 
     request: Request
@@ -56,6 +59,7 @@ class PolicyInput:
     batch_size: int
     num_drafting: int
     num_scheduled_tokens: int = 0
+    draft_backlog: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class StepObservation:
     Attributes:
         num_tokens: batched tokens of the target forward (new tokens plus drafts).
         target_s: seconds of the forward, sampling / verification and commit.
-        draft_s: seconds of drafting (the policy's own decision included).
+        draft_s: seconds of drafting (the policy's own decision included), catch-up forwards excluded.
         max_depth: the deepest draft of the step (0: none).
         per_request: ``(drafted, accepted)`` per request that verified drafts (a tree: its depth and the
             accepted path's length).
@@ -73,6 +77,8 @@ class StepObservation:
             recovered token per sampling request).
         prefill: the step held prompt chunks (a request computing more than its last committed token, or
             not sampling).
+        catch_up_s, catch_up_tokens: seconds and tokens of the drafter's catch-up forwards this step
+            (a draft model reading backlogs before drafting; see ``PolicyInput.draft_backlog``).
     """
 
     num_tokens: int
@@ -82,6 +88,8 @@ class StepObservation:
     per_request: tuple[tuple[int, int], ...] = ()
     num_committed: int = 0
     prefill: bool = False
+    catch_up_s: float = 0.0
+    catch_up_tokens: int = 0
 
 
 @runtime_checkable
@@ -99,7 +107,10 @@ class PolicyBase:
 
     Attributes:
         wants_step_costs: when True, the engine calls :meth:`set_step_costs` with the target's profiled
-            (or cached) step costs before the policy's first decision (:mod:`specdec.engine.cost_profile`).
+            (or cached) step costs before the policy's first decision (:mod:`specdec.engine.cost_profile`),
+            and, where the policy has it, ``set_draft_costs(per_position, catch_up_s_per_token=...)``
+            with a draft model's profile (``{drafting rows: seconds per draft position}``, and the
+            seconds per token of reading a backlog, ``PolicyInput.draft_backlog``).
     """
 
     wants_step_costs: bool = False

@@ -19,6 +19,11 @@ or head drafts all requests' position d together), a running mean of observed dr
 the step's deepest draft, learned per bucket of drafting requests (1, 2, 3-4, 5-8, ...); when it was not
 given (0), a bucket's first drafting step sets it.
 
+Catch-up: ``catch_up_s_per_token``, the seconds per token a draft model spends reading a request's
+backlog before its first draft (its prompt, or the tokens since it last drafted; lazy catch-up in
+:mod:`specdec.drafters.draft_model`), profiled at start-up and refreshed from observed catch-up forwards
+(the first one taken outright when nothing was profiled).
+
 ``frozen=True`` (with the costs given up front) ignores observations: decisions then depend on the token
 history alone, so seeded runs repeat exactly (the deterministic mode of the adaptive policies).
 """
@@ -40,6 +45,7 @@ class StepCostModel:
         step_s: ``{num_tokens: seconds}``, the base curve (the frozen costs, or a start);
             empty: nothing measured yet, and :meth:`target_s` is relative (1 for one token).
         draft_s_per_position: drafting seconds per draft position of a step.
+        catch_up_s_per_token: a draft model's seconds per token of backlog read before drafting.
         prior_slope: relative cost of one more batched token where nothing was measured.
         frozen: ignore observations.
         decay: weight of a new observation in the running means (0 < decay <= 1).
@@ -50,6 +56,7 @@ class StepCostModel:
 
     step_s: dict[int, float] = field(default_factory=dict)
     draft_s_per_position: float = 0.0
+    catch_up_s_per_token: float = 0.0
     prior_slope: float = 1 / 64
     frozen: bool = False
     decay: float = 0.1
@@ -70,7 +77,7 @@ class StepCostModel:
         self._num_observed = [0, 0]
         self._draft_given = self.draft_s_per_position != 0  # a prior to correct, not an unknown
         self._draft_buckets: dict[int, float] = {}  # drafting seconds per position, by drafting rows
-        for name in ("draft_s_per_position", "prior_slope"):
+        for name in ("draft_s_per_position", "catch_up_s_per_token", "prior_slope"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -109,12 +116,15 @@ class StepCostModel:
         kind = int(prefill)
         return self.base_s(num_tokens) * self._ratio[kind].get(num_tokens, self._scale[kind])
 
-    def set_draft_costs(self, per_position: dict[int, float]) -> None:
+    def set_draft_costs(self, per_position: dict[int, float], catch_up_s_per_token: float = 0.0) -> None:
         """Start the drafting cost per bucket from a profile ``{rows: seconds per draft position}`` (a
-        draft model's forward over ``rows`` requests), as if observed; ignored when frozen or when
-        ``draft_s_per_position`` was given (the frozen costs are the given ones)."""
+        draft model's forward over ``rows`` requests), as if observed, and the catch-up cost per token
+        (when > 0); ignored when frozen or when ``draft_s_per_position`` was given (the frozen costs are
+        the given ones)."""
         if self.frozen or self._draft_given:
             return
+        if isinstance(catch_up_s_per_token, (int, float)) and 0 < catch_up_s_per_token < math.inf:
+            self.catch_up_s_per_token = float(catch_up_s_per_token)
         for rows, s in per_position.items():
             if isinstance(rows, int) and rows >= 1 and isinstance(s, (int, float)) and 0 < s < math.inf:
                 self._draft_buckets[_bucket(rows)] = float(s)
@@ -147,10 +157,19 @@ class StepCostModel:
         draft_s: float,
         prefill: bool = False,
         draft_rows: int = 1,
+        catch_up_s: float = 0.0,
+        catch_up_tokens: int = 0,
     ) -> None:
         """Fold one step's measured times in (ignored when frozen); ``prefill``: the step held prompt
-        chunks (corrected apart from decode steps); ``draft_rows``: the requests that drafted."""
-        if self.frozen or not (0 < target_s < math.inf) or num_tokens < 1:
+        chunks (corrected apart from decode steps); ``draft_rows``: the requests that drafted;
+        ``catch_up_s`` / ``catch_up_tokens``: the drafter's catch-up forwards of the step."""
+        if self.frozen:
+            return
+        if catch_up_tokens > 0 and 0 < catch_up_s < math.inf:
+            per = catch_up_s / catch_up_tokens
+            old = self.catch_up_s_per_token
+            self.catch_up_s_per_token = per if old == 0 else (1 - self.decay) * old + self.decay * per
+        if not (0 < target_s < math.inf) or num_tokens < 1:
             return
         kind = int(prefill)
         r = target_s / self.base_s(num_tokens)

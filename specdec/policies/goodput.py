@@ -17,6 +17,10 @@ from :class:`~specdec.policies.cost_model.StepCostModel` (the target's step prof
 from the cache, :mod:`specdec.engine.cost_profile`, refreshed from observed steps; or costs given up
 front; drafting seconds by drafting requests, a draft model's profiled at start-up), then, least
 promising first, drops a request's drafts wherever the step's rate is higher without them.
+A drafter that reads committed tokens lazily (a draft model) must first read a request's backlog, its
+prompt before the first draft: that one-off cost (``PolicyInput.draft_backlog`` tokens at the cost
+model's ``catch_up_s_per_token``) is charged to the request's drafting steps per token they commit,
+spread over the tokens it may still write (:meth:`GoodputPolicy.charges`).
 ``k = 0`` (plain decoding) is always a candidate, so under a
 cost model that matches the machine speculation never loses on expectation. Exploration: a request that
 drafted nothing for ``explore_every`` of its tokens drafts one (its estimate can then recover), where
@@ -85,6 +89,8 @@ class GoodputPolicy(PolicyBase):
         calibration_weight: pseudo-tokens (accepted = predicted) the ratio starts from (> 0).
         calibration_decay: weight kept by older settled decisions at each new one (0 < decay <= 1; 1:
             every decision counts alike).
+        charge_catch_up: charge a request's drafting steps for the drafter's catch-up on its backlog
+            (:meth:`charges`); False: drafting looks as cheap as it does once caught up.
 
     Raises:
         ConfigError: a parameter out of range.
@@ -104,6 +110,7 @@ class GoodputPolicy(PolicyBase):
         calibrate: bool = True,
         calibration_weight: float = 8.0,
         calibration_decay: float = 0.99,
+        charge_catch_up: bool = True,
     ) -> None:
         if not isinstance(prior_acceptance, (int, float)) or not 0 <= prior_acceptance <= 1:
             raise ConfigError(f"goodput policy: prior_acceptance must be in [0, 1], got {prior_acceptance!r}")
@@ -113,6 +120,8 @@ class GoodputPolicy(PolicyBase):
             raise ConfigError(f"goodput policy: explore_every must be an integer >= 0, got {explore_every!r}")
         if not isinstance(calibrate, bool):
             raise ConfigError(f"goodput policy: calibrate must be a boolean, got {calibrate!r}")
+        if not isinstance(charge_catch_up, bool):
+            raise ConfigError(f"goodput policy: charge_catch_up must be a boolean, got {charge_catch_up!r}")
         if not isinstance(calibration_weight, (int, float)) or not 0 < calibration_weight < math.inf:
             raise ConfigError(f"goodput policy: calibration_weight must be > 0, got {calibration_weight!r}")
         if not isinstance(calibration_decay, (int, float)) or not 0 < calibration_decay <= 1:
@@ -138,6 +147,7 @@ class GoodputPolicy(PolicyBase):
         self.calibrate = calibrate
         self.calibration_weight = float(calibration_weight)
         self.calibration_decay = float(calibration_decay)
+        self.charge_catch_up = charge_catch_up
         # request id -> (q_1 .. q_d of its granted depth d, its accepted tokens, draft steps and drafted
         # tokens then) of its latest granted draft not settled yet (LRU-bounded).
         self._pending: OrderedDict[str, tuple[list[float], int, int, int]] = OrderedDict()
@@ -173,10 +183,11 @@ class GoodputPolicy(PolicyBase):
         """Take the engine's profiled target step costs (frozen ones too: they are the costs to freeze)."""
         self.costs.set_base(step_s)
 
-    def set_draft_costs(self, per_position: dict[int, float]) -> None:
-        """Take a draft model's profiled forward by drafting rows as the starting drafting costs (not
-        when frozen: the profile is not cached, so it would differ between runs)."""
-        self.costs.set_draft_costs(per_position)
+    def set_draft_costs(self, per_position: dict[int, float], catch_up_s_per_token: float = 0.0) -> None:
+        """Take a draft model's profiled forward by drafting rows, and its catch-up seconds per token, as
+        the starting drafting costs (not when frozen: the profile is not cached, so it would differ
+        between runs)."""
+        self.costs.set_draft_costs(per_position, catch_up_s_per_token)
 
     def _shrunk(self, accepted: int, drafted: int, prior: float) -> float:
         w = self.prior_weight
@@ -217,17 +228,43 @@ class GoodputPolicy(PolicyBase):
         return out
 
     def _rate(
-        self, gain: float, tokens: int, depths: list[int], prefill: bool, value: float | None = None
+        self,
+        gain: float,
+        tokens: int,
+        depths: list[int],
+        prefill: bool,
+        value: float | None = None,
+        extra_s: float = 0.0,
     ) -> float:
         """The score of a step whose requests draft ``depths``: ``gain`` expected committed tokens over
-        ``tokens`` batched tokens. A decode step: its expected committed tokens per second. A step with
-        prompt chunks (``value``: the tokens per second a plain decode step of the batch would commit):
-        ``gain - value * seconds``, the tokens gained beyond what that time buys by plain decoding. A
-        prompt chunk makes the step slow, so by its own rate any drafts would look cheap (16 requests'
-        drafts from a draft model in their prompt's last step cost more per token than decoding)."""
+        ``tokens`` batched tokens, plus ``extra_s`` seconds (the drafting requests' catch-up charges). A
+        decode step: its expected committed tokens per second. A step with prompt chunks (``value``: the
+        tokens per second a plain decode step of the batch would commit): ``gain - value * seconds``, the
+        tokens gained beyond what that time buys by plain decoding. A prompt chunk makes the step slow,
+        so by its own rate any drafts would look cheap (16 requests' drafts from a draft model in their
+        prompt's last step cost more per token than decoding)."""
         rows = sum(d > 0 for d in depths)
         seconds = self.costs.target_s(tokens, prefill) + self.costs.draft_s(max(depths, default=0), rows)
+        seconds += extra_s
         return gain / seconds if value is None else gain - value * seconds
+
+    def charges(self, batch: list[PolicyInput]) -> list[float]:
+        """Per request, the seconds charged per token it commits while drafting: reading its draft
+        backlog (``PolicyInput.draft_backlog`` tokens at the cost model's ``catch_up_s_per_token``; a
+        draft model that has not drafted for the request yet reads its prompt first) spread over the
+        tokens it may still write (``max_tokens`` less its output so far). The catch-up is paid once
+        and pays off over the rest of the request, so a request near its end, or one whose drafts
+        barely pay, does not start drafting (at 16 requests on Qwen2.5-Coder 1.5B ← 0.5B the draft
+        model's catch-up of the prompts cost more than drafting saved in decoding)."""
+        per_token = self.costs.catch_up_s_per_token if self.charge_catch_up else 0.0
+        out = []
+        for x in batch:
+            if x.draft_backlog <= 0 or per_token <= 0:
+                out.append(0.0)
+                continue
+            left = x.request.sampling_params.max_tokens - x.request.num_output_tokens
+            out.append(per_token * x.draft_backlog / max(1, left))
+        return out
 
     def decide(self, batch: list[PolicyInput]) -> list[int]:
         if self.calibrate:
@@ -244,15 +281,21 @@ class GoodputPolicy(PolicyBase):
         prefill = base > batch[0].batch_size  # prompt chunks in the step
         size = batch[0].batch_size
         value = size / self.costs.target_s(size) if prefill else None
+        charge = self.charges(batch)
+
+        def extra_s(depths: list[int]) -> float:  # the drafting requests' catch-up charges
+            return sum(c * g[d] for c, g, d in zip(charge, gains, depths) if d and c)
+
         best = [0] * len(batch)
-        best_gain = others + float(len(batch))
+        best_gain, best_extra = others + float(len(batch)), 0.0
         best_rate = self._rate(best_gain, base, best, prefill, value)
         for k in range(1, self.k + 1):
             depths = [min(k, x.max_drafts) for x in batch]
             gain = others + sum(g[d] for g, d in zip(gains, depths))
-            rate = self._rate(gain, base + sum(depths), depths, prefill, value)
+            extra = extra_s(depths)
+            rate = self._rate(gain, base + sum(depths), depths, prefill, value, extra)
             if _better(rate, best_rate):
-                best, best_gain, best_rate = depths, gain, rate
+                best, best_gain, best_extra, best_rate = depths, gain, extra, rate
         # Then each request's drafts alone, least promising first: dropped where the step does better
         # without them.
         for r in sorted(range(len(batch)), key=lambda r: gains[r][best[r]] / (1 + best[r])):
@@ -260,15 +303,18 @@ class GoodputPolicy(PolicyBase):
                 continue
             trial = best[:r] + [0] + best[r + 1 :]
             gain = best_gain - gains[r][best[r]] + 1
-            rate = self._rate(gain, base + sum(trial), trial, prefill, value)
+            extra = best_extra - charge[r] * gains[r][best[r]]
+            rate = self._rate(gain, base + sum(trial), trial, prefill, value, extra)
             if _better(rate, best_rate):
-                best, best_gain, best_rate = trial, gain, rate
+                best, best_gain, best_extra, best_rate = trial, gain, extra, rate
         if self.calibrate:
             for x, a, d in zip(batch, alphas, best):
                 if d > 0:
                     self._remember(x, a[:d])
         if self.explore_every:
-            best = self._explore(batch, best, best_gain, base, prefill, value, alphas, population)
+            best = self._explore(
+                batch, best, best_gain, base, prefill, value, alphas, population, charge, best_extra
+            )
         self.history.append((batch[0].batch_size, max(best, default=0)))
         return best
 
@@ -310,6 +356,8 @@ class GoodputPolicy(PolicyBase):
         value: float | None,
         alphas: list[list[float]],
         population: list[float],
+        charge: list[float],
+        extra_s: float,
     ) -> list[int]:
         """A request that has not drafted for ``explore_every`` of its tokens drafts one token (its
         estimate sank, perhaps on a stretch of text the drafter cannot predict: a probe lets it recover),
@@ -320,9 +368,11 @@ class GoodputPolicy(PolicyBase):
         ``q_d`` times the acceptance hoped for at the next position (the better of the prior and the
         population's conditional figure): one rejection at position 2 would otherwise keep a request at
         one draft for good, its position-2 estimate never seeing another draft. A function of the token
-        history and the costs, so deterministic when frozen."""
+        history and the costs, so deterministic when frozen. ``charge`` / ``extra_s``: the requests'
+        catch-up charges per committed token and the step's total so far (:meth:`charges`)."""
         out = list(depths)
         tokens = base + sum(out)
+        spent = extra_s
         hope: float | None = None
         for i, x in enumerate(batch):
             rid, n = x.request.request_id, x.request.num_output_tokens
@@ -338,9 +388,10 @@ class GoodputPolicy(PolicyBase):
                     cond = population[d] / population[d - 1] if population[d - 1] > 0 else 0.0
                     extra = alphas[i][d - 1] * max(self.prior_acceptance, cond)
                 trial = out[:i] + [d + 1] + out[i + 1 :]
-                with_probe = self._rate(gain + extra, tokens + 1, trial, prefill, value)
-                if _better(with_probe, self._rate(gain, tokens, out, prefill, value)):
-                    out, gain, tokens = trial, gain + extra, tokens + 1
+                more_s = charge[i] * (extra + (1 if d == 0 else 0))
+                with_probe = self._rate(gain + extra, tokens + 1, trial, prefill, value, spent + more_s)
+                if _better(with_probe, self._rate(gain, tokens, out, prefill, value, spent)):
+                    out, gain, tokens, spent = trial, gain + extra, tokens + 1, spent + more_s
             for j in range(out[i]):
                 last[j] = n
             self._last_draft.move_to_end(rid)
@@ -351,7 +402,14 @@ class GoodputPolicy(PolicyBase):
     def observe_step(self, step: StepObservation) -> None:
         """Fold a step's times and acceptance into the cost model and the population prior."""
         self.costs.observe(
-            step.num_tokens, step.target_s, step.max_depth, step.draft_s, step.prefill, len(step.per_request)
+            step.num_tokens,
+            step.target_s,
+            step.max_depth,
+            step.draft_s,
+            step.prefill,
+            len(step.per_request),
+            step.catch_up_s,
+            step.catch_up_tokens,
         )
         for drafted, accepted in step.per_request:
             for j in range(min(drafted, self.k)):
