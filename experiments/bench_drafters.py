@@ -8,6 +8,8 @@ Methods (greedy, SmolLM2-135M-Instruct by default, one request at a time):
 - ``medusa`` / ``medusa-tree``: our Medusa heads, a chain of 4 / the default static tree;
 - ``eagle`` / ``eagle-tree``: our EAGLE head, a chain of 4 / EAGLE-2's dynamic tree;
 - ``eagle3`` / ``eagle3-tree``: our EAGLE-3 head, the same chain / tree;
+- ``hybrid-eagle``: the hybrid drafter over the EAGLE head (reduced vocabulary), suffix decoding and
+  prompt lookup;
 - any other registered drafter, by its name: a chain of 4 (:func:`method_spec`).
 
 Per method: tokens/s, speedup over our plain decoding and over transformers, τ (tokens emitted per
@@ -66,6 +68,14 @@ METHODS: dict[str, dict[str, Any] | None] = {
         "num_speculative_tokens": 5,
         "tree": "dynamic",
         "tree_topk": 4,
+        "draft_vocab": "{model}-eagle3",
+    },
+    # The hybrid with a learned member: per request and step, the EAGLE head (over the reduced vocabulary),
+    # suffix decoding or prompt lookup, whichever has been accepted most (issue 22).
+    "hybrid-eagle": {
+        "method": "hybrid",
+        "num_speculative_tokens": 4,
+        "hybrid_members": ["eagle", "suffix", "ngram"],
         "draft_vocab": "{model}-eagle3",
     },
     # The target's own weights quantized to int8 per channel as its drafter.

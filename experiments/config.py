@@ -189,24 +189,36 @@ class HybridDrafterConfig(SuffixDrafterConfig):
     (:mod:`specdec.drafters.hybrid`); the suffix and n-gram fields configure those members.
 
     Attributes:
-        members: the member drafters (model-free), e.g. ``[suffix, ngram]``.
+        members: the member drafters: model-free ones and at most one learned head, e.g.
+            ``[suffix, ngram]`` or ``[eagle, suffix, ngram]``.
         prompt_lookup_max, prompt_lookup_min: the n-gram member's window.
+        model: the learned member's heads (a built-in head name or a directory; None: the target's
+            built-in head), only with a learned member.
+        draft_vocab: the learned member's reduced draft vocabulary (as ``drafter=eagle``'s).
     """
 
     method: str = "hybrid"
     members: list[str] = field(default_factory=lambda: ["suffix", "ngram"])
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None
+    draft_vocab: Any = None
 
     def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "hybrid", ...}`` for ``specdec.LLM``."""
-        return {
+        spec = {
             "method": "hybrid",
             "hybrid_members": list(self.members),
             "prompt_lookup_max": self.prompt_lookup_max,
             "prompt_lookup_min": self.prompt_lookup_min,
             **self._suffix_fields(),
         }
+        if self.model is not None:
+            spec["model"] = self.model
+        if self.draft_vocab is not None:
+            vocab = self.draft_vocab
+            spec["draft_vocab"] = vocab if isinstance(vocab, str) else [int(i) for i in vocab]
+        return spec
 
     def field_keys(self) -> dict[str, str]:
         """The suffix keys', and ``hybrid_members`` from ``drafter.members``."""
@@ -1146,12 +1158,13 @@ def _check_against_target(target: str, spec: Any, what: str, target_key: str = "
         ValueError: the drafter's check fails (its message, naming ``what`` and the target).
     """
     from specdec.drafters.heads import default_heads_name, resolve_heads_dir
-    from specdec.drafters.registry import get_drafter
+    from specdec.drafters.registry import get_drafter, model_method
     from specdec.errors import SpecdecError
     from specdec.models.config import ModelArchConfig
     from specdec.zoo import ZOO
 
     entry = get_drafter(spec.method)
+    kind, method = model_method(spec)
     paired = sorted(t for t, d in DEFAULT_DRAFT_MODELS.items() if d == spec.model and t != target)
     hint = f"; {spec.model} is the draft model of {target_key}={paired[0]}" if paired else ""
     if entry.model == "model" and target in ZOO and spec.model in ZOO:  # known before any fetch
@@ -1170,8 +1183,8 @@ def _check_against_target(target: str, spec: Any, what: str, target_key: str = "
             draft_dir = _local_model_dir(spec.model)
             if draft_dir is None:
                 return
-        elif entry.model == "heads":
-            draft_dir = resolve_heads_dir(spec.model or default_heads_name(target, spec.method))
+        elif kind == "heads":
+            draft_dir = resolve_heads_dir(spec.model or default_heads_name(target, method))
         arch = ModelArchConfig.from_pretrained(target_dir)
     except SpecdecError:
         return  # unreadable here: specdec.LLM reports it

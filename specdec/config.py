@@ -281,7 +281,7 @@ class SpeculativeConfig:
     draft_vocab: list[int] | str | None = None
 
     def __post_init__(self) -> None:
-        from specdec.drafters.registry import drafter_names, get_drafter
+        from specdec.drafters.registry import drafter_names, get_drafter, model_method
 
         entry = get_drafter(self.method)
         k = self.num_speculative_tokens
@@ -343,9 +343,10 @@ class SpeculativeConfig:
         self.build_policy()  # unknown names and bad parameters fail here, before any weights load
         if entry.check_config is not None:
             entry.check_config(self)
-        if entry.model == "model" and not self.model:
+        kind, _ = model_method(self)
+        if kind == "model" and not self.model:
             raise ConfigError(f"speculative method {self.method!r} needs model=<zoo name or directory>")
-        if entry.model == "none" and self.model is not None:
+        if kind == "none" and self.model is not None:
             raise ConfigError(f"speculative method {self.method!r} takes no model (got model={self.model!r})")
 
     def build_policy(self) -> SpeculationPolicy:

@@ -131,7 +131,7 @@ class LLM:
         grammar_backend: str = "auto",
     ) -> None:
         from specdec.drafters.heads import default_heads_name, resolve_heads_dir
-        from specdec.drafters.registry import get_drafter
+        from specdec.drafters.registry import model_method
         from specdec.zoo import resolve_model
 
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -149,9 +149,9 @@ class LLM:
         self.model_dir = resolve_model(model)
         # Resolve (fetch) the draft model or heads before any loading, so a bad name fails first.
         draft_dir = None
-        kind = get_drafter(spec.method).model if spec is not None else "none"
-        if spec is not None and kind == "heads":
-            draft_dir = resolve_heads_dir(spec.model or default_heads_name(model, spec.method))
+        kind, method = model_method(spec) if spec is not None else ("none", "")
+        if spec is not None and kind == "heads":  # a learned member's heads too (the hybrid)
+            draft_dir = resolve_heads_dir(spec.model or default_heads_name(model, method))
         elif spec is not None and kind == "model" and spec.model:
             draft_dir = resolve_model(spec.model)
         self.tokenizer = None

@@ -188,7 +188,8 @@ def test_declared_trees_and_fields_are_accepted(registry):
     registry.append("treeish")
     cfg = SpeculativeConfig(method="treeish", tree="dynamic", max_tree_nodes=9, prompt_lookup_max=6)
     assert cfg.num_draft_slots == 9
-    with pytest.raises(ConfigError, match=r"tree_topk=7 applies to method 'eagle' or 'eagle3' only"):
+    only = r"tree_topk=7 applies to method 'eagle' or 'eagle3' or 'hybrid' only"
+    with pytest.raises(ConfigError, match=only):
         SpeculativeConfig(method="treeish", tree="dynamic", tree_topk=7)
 
 

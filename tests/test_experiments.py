@@ -445,8 +445,8 @@ def test_invalid_values_fail_before_loading(hydra_conf, override, message):
             "hybrid_",
         ),
         (
-            ["drafter=hybrid", "drafter.members=[eagle]"],
-            r"drafter\.members: 'eagle' needs a model",
+            ["drafter=hybrid", "drafter.members=[draft_model]"],
+            r"drafter\.members: 'draft_model' drafts with a model of its own",
             "hybrid_",
         ),
     ],

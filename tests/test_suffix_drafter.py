@@ -257,14 +257,26 @@ def test_suffix_fields_belong_to_suffix_and_hybrid_and_trees_are_dynamic():
         ([], "non-empty list"),
         (["suffix", "suffix"], "distinct"),
         (["nope"], "hybrid_members: .*must be one of"),
-        (["eagle"], "needs a model"),
-        (["quantized_self", "ngram"], "'quantized_self' needs a model"),  # registered with none to load
+        (["draft_model"], "'draft_model' drafts with a model of its own"),
+        (["quantized_self", "ngram"], "'quantized_self' drafts with a model"),  # registered with none to load
+        (["eagle", "medusa", "ngram"], r"at most one learned head .*\['eagle', 'medusa'\]"),
         (["ngram", ["suffix"]], r"must list drafter names \(str\), got \['suffix'\]"),
         (["hybrid"], "cannot contain"),
     ):
         with pytest.raises(ConfigError, match=message):
             SpeculativeConfig("hybrid", hybrid_members=bad)
     assert SpeculativeConfig("suffix", tree="dynamic").num_draft_slots == 16
+    # A learned member: the config's model is its heads (a built-in head when None); without one, no model.
+    from specdec.drafters.registry import model_method
+
+    with pytest.raises(ConfigError, match="takes no model"):
+        SpeculativeConfig("hybrid", model="x")
+    learned = SpeculativeConfig(
+        "hybrid", hybrid_members=["suffix", "eagle"], model="my-head", draft_vocab=[1, 2]
+    )
+    assert model_method(learned) == ("heads", "eagle")
+    assert model_method(SpeculativeConfig("hybrid")) == ("none", "hybrid")
+    assert model_method(SpeculativeConfig("eagle")) == ("heads", "eagle")
 
 
 def test_hydra_and_cli_take_suffix_and_hybrid():
@@ -279,6 +291,16 @@ def test_hydra_and_cli_take_suffix_and_hybrid():
             compose("config", overrides=["drafter=suffix", "drafter.share_across_requests=true"])
         )
         hybrid = to_experiment_config(compose("config", overrides=["drafter=hybrid", "drafter.tree=dynamic"]))
+        learned = to_experiment_config(
+            compose(
+                "config",
+                overrides=["drafter=hybrid", "drafter.members=[eagle,suffix]", "drafter.draft_vocab=[1,2,3]"],
+            )
+        )
+    spec = learned.drafter.speculative_config()
+    assert spec["hybrid_members"] == ["eagle", "suffix"] and spec["draft_vocab"] == [1, 2, 3]
+    assert "model" not in spec  # the target's built-in head
+    SpeculativeConfig(**spec)
     spec = suffix.drafter.speculative_config()
     assert spec["method"] == "suffix" and spec["suffix_share_across_requests"] is True
     assert SpeculativeConfig(**spec).suffix_max_match == 16

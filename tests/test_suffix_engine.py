@@ -3,7 +3,7 @@
 chi-square test of the sampled distribution (chains and trees) with negative controls that must fail.
 
 False positives: each distribution test fails an exact engine with probability ``ALPHA`` = 1e-3 (the
-chi-square test of :mod:`tests.stats`; four such tests here: about 0.4 % per run of the file). Greedy
+chi-square test of :mod:`tests.stats`; six such tests here: about 0.6 % per run of the file). Greedy
 tests are deterministic. The negative controls must reach p < 1e-6; with their biases (accepting every
 draft, or keeping the target's row after a tree rejection) the observed p-values are far below that.
 """
@@ -94,6 +94,49 @@ def test_greedy_output_equals_plain_decoding(setup, method, tree, share, policy)
         assert drafter.num_global_drafts > 0
 
 
+@pytest.fixture(scope="module")
+def eagle_head(setup):
+    """A random EAGLE head for the tiny target: a learned hybrid member whose drafts are mostly wrong."""
+    from specdec.drafters.heads import HeadConfig, arch_fields, build_heads, save_heads
+    from specdec.models.config import ModelArchConfig
+
+    arch = ModelArchConfig.from_pretrained(setup["target"])
+    cfg = HeadConfig(
+        method="eagle", target="tiny", hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+        arch=arch_fields(arch),
+    )  # fmt: skip
+    torch.manual_seed(12)
+    head = build_heads(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    out = setup["target"].parent / "eagle_head"
+    save_heads(head, cfg, out)
+    return out
+
+
+def _learned_spec(head, tree: bool, k: int = 3) -> dict:
+    # EAGLE first: before any score the hybrid tries members in order, so the head drafts from the start.
+    return _spec("hybrid", tree, False, k=k, hybrid_members=["eagle", "suffix", "ngram"], model=str(head))
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_learned_member_keeps_greedy_output_exact(setup, eagle_head, tree):
+    common = dict(skip_tokenizer_init=True, block_size=4)
+    base = _greedy(LLM(setup["target"], **common), PROMPTS)
+    llm = LLM(setup["target"], speculative_config=_learned_spec(eagle_head, tree), **common)
+    drafter = llm.engine.drafter
+    assert llm.engine.drafter.uses_hidden_states  # the target's forward returns the head's features
+    assert _greedy(llm, PROMPTS) == base
+    report = drafter.report()["members"]
+    assert report["eagle"]["num_chosen"] > 0 and report["eagle"]["hindsight_accepted"] > 0
+    assert report["suffix"]["num_chosen"] + report["ngram"]["num_chosen"] > 0  # and the copiers took over
+    assert sum(m["num_chosen"] for m in report.values()) == llm.engine.spec_stats.num_drafts
+    from specdec.engine.build import drafter_modules
+
+    assert drafter_modules(drafter) == [drafter.members[0].head]  # the head takes the CPU linears
+
+
 @pytest.mark.parametrize("method, names", [("hybrid", {"suffix", "ngram"}), ("suffix", {"suffix"})])
 def test_per_request_drafter_metrics_say_which_member_drafted(setup, method, names):
     """``metrics["drafter"]``: the hybrid's figures per member; suffix decoding alone reports the same
@@ -147,6 +190,27 @@ def test_sampling_matches_the_target(setup, name):
     drafter = llm.engine.drafter
     suffix = drafter if name.startswith("suffix") else drafter.members[0]
     assert suffix.cache.num_evicted > 0 and suffix.num_global_drafts > 0
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_sampling_with_a_learned_member_matches_the_target(setup, eagle_head, tree):
+    llm = _llm(setup, _learned_spec(eagle_head, tree, k=2))
+    counts = first_two_token_counts(llm, PROMPT, V, BATCH, CALLS)
+    res = goodness_of_fit(setup["exact"], counts)
+    print(f"[gof] hybrid with an EAGLE member, {'tree' if tree else 'chain'}: {res.describe()}")
+    assert res.pvalue >= ALPHA, res.describe()
+    members = llm.engine.drafter.report()["members"]
+    assert members["eagle"]["num_chosen"] > 0 and members["eagle"]["num_accepted_tokens"] > 0
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_learned_member_negative_control_fails(setup, eagle_head):
+    llm = _llm(setup, _learned_spec(eagle_head, False, k=2))
+    llm.engine.verifier = AcceptEverything()
+    counts = first_two_token_counts(llm, PROMPT, V, BATCH, CALLS, seed_base=10**6)
+    res = assert_differs(setup["exact"], counts, label="hybrid with an EAGLE member, control")
+    assert res.pvalue < ALPHA * 1e-3
 
 
 @pytest.mark.parametrize("name", ["suffix-chain", "suffix-tree"])

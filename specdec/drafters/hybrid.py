@@ -2,7 +2,9 @@
 
 The measured winner changes with the task (prompt lookup on code, learned drafters on chat; suffix
 decoding where text repeats across turns and requests), so ``method="hybrid"`` runs every member each
-step (model-free members cost microseconds) and submits one proposal per request: that of the member
+step (model-free members cost microseconds; a learned member, at most one: an EAGLE, EAGLE-3 or Medusa
+head, loaded from ``model`` or the target's built-in head, costs its draft step) and submits one proposal
+per request: that of the member
 with the highest running score among those that proposed something. After the step, every member's
 proposal is scored in hindsight against the tokens the step committed: a chain scores its longest prefix
 equal to them, a tree its longest root path (an unchosen member is credited at most the tokens the step
@@ -25,6 +27,7 @@ output: exact for greedy requests). Each request's own counts are in ``request.d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import Drafter, DrafterBase, DrafterContext, DraftInput, DraftProposal
@@ -32,6 +35,7 @@ from specdec.drafters.draft_stats import MemberStats, accepted_length, draft_dep
 from specdec.drafters.registry import check_protocol, get_drafter, register_drafter
 from specdec.drafters.suffix import SUFFIX_FIELDS, check_suffix_config
 from specdec.errors import ConfigError
+from specdec.models.config import ModelArchConfig
 from specdec.request import Request
 
 #: Members when ``hybrid_members`` is None.
@@ -50,9 +54,9 @@ def check_hybrid_config(config: SpeculativeConfig) -> None:
 
     Raises:
         ConfigError: ``hybrid_members`` not a non-empty list of distinct registered drafter names, a
-            member that drafts with a model (a draft model, the quantized target, a learned head: not
-            supported yet) or is "hybrid"
-            itself, a member that does not draft the configured ``tree``; the suffix fields' errors.
+            member that drafts with a model of its own (a draft model, the quantized target: not
+            supported), more than one learned member (heads), "hybrid" itself, a member that does not
+            draft the configured ``tree``; the suffix fields' errors.
     """
     members = config.hybrid_members
     if members is not None:
@@ -72,14 +76,34 @@ def check_hybrid_config(config: SpeculativeConfig) -> None:
                 entry = get_drafter(name)
             except ConfigError as e:
                 raise ConfigError(f"hybrid_members: {e}") from None
-            if entry.model != "none" or name in MODEL_DRAFTERS:
+            if entry.model == "model" or name in MODEL_DRAFTERS:
                 raise ConfigError(
-                    f"hybrid_members: {name!r} needs a model; the hybrid takes model-free members only "
-                    f"(e.g. {list(DEFAULT_MEMBERS)})"
+                    f"hybrid_members: {name!r} drafts with a model of its own; the hybrid takes model-free "
+                    f"members (e.g. {list(DEFAULT_MEMBERS)}) and at most one learned head (eagle, eagle3, "
+                    "medusa)"
                 )
             if config.tree is not None and config.tree not in entry.trees and None not in entry.trees:
                 raise ConfigError(f"hybrid_members: {name!r} drafts neither chains nor tree={config.tree!r}")
+        learned = [m for m in members if get_drafter(m).model == "heads"]
+        if len(learned) > 1:
+            raise ConfigError(f"hybrid_members: at most one learned head (they share model=), got {learned}")
     check_suffix_config(config)
+
+
+def learned_member(config: SpeculativeConfig) -> str | None:
+    """The hybrid's learned member (a head drafter: its ``model`` is the config's), or None."""
+    for name in config.hybrid_members or DEFAULT_MEMBERS:
+        if get_drafter(name).model == "heads":
+            return name
+    return None
+
+
+def check_member_target(arch: ModelArchConfig, config: SpeculativeConfig, model_dir: Path | None) -> None:
+    """The learned member's own check against the target (its head's sizes), before any weights load."""
+    member = learned_member(config)
+    check = get_drafter(member).check_target if member is not None else None
+    if check is not None:
+        check(arch, config, model_dir)
 
 
 @dataclass
@@ -100,9 +124,14 @@ class _HybridState:
 @register_drafter(
     "hybrid",
     trees=(None, "dynamic"),
-    fields=("hybrid_members", "prompt_lookup_max", "prompt_lookup_min", "max_tree_nodes", *SUFFIX_FIELDS),
+    fields=(
+        "hybrid_members", "prompt_lookup_max", "prompt_lookup_min", "max_tree_nodes", "tree_topk",
+        "draft_vocab", *SUFFIX_FIELDS,
+    ),
     check_config=check_hybrid_config,
-)
+    check_target=check_member_target,
+    model_of=learned_member,
+)  # fmt: skip
 class HybridDrafter(DrafterBase):
     """Per request and step, the proposal of the member with the best running acceptance.
 
@@ -126,6 +155,9 @@ class HybridDrafter(DrafterBase):
         self.names = list(members)
         self.members = list(members.values())
         self.uses_hidden_states = any(m.uses_hidden_states for m in self.members)
+        #: The target layers whose residual streams a member reads (an EAGLE-3 member), else ().
+        layers = [getattr(m, "feature_layers", ()) for m in self.members]
+        self.feature_layers = next((f for f in layers if f), ())
         self.states: dict[str, _HybridState] = {}
         self.stats = {n: MemberStats() for n in self.names}
         self.oracle_steps = 0

@@ -70,6 +70,8 @@ class DrafterEntry:
         check_target: checks against the target's config and the resolved model directory, run before
             any weights load (raise a ``SpecdecError``).
         description: one line, for ``--help`` and the README.
+        model_of: for a drafter that builds others (the hybrid): the member whose ``model`` kind the
+            config's ``model`` follows (a learned member's heads), or None (see :func:`model_method`).
     """
 
     name: str
@@ -81,6 +83,7 @@ class DrafterEntry:
     check_target: Callable[[ModelArchConfig, SpeculativeConfig, Path | None], None] | None = None
     description: str = ""
     module: str = field(default="", compare=False)
+    model_of: Callable[[SpeculativeConfig], str | None] | None = None
 
 
 _REGISTRY: dict[str, DrafterEntry] = {}
@@ -98,6 +101,7 @@ def register_drafter(
     check_config: Callable[[SpeculativeConfig], None] | None = None,
     check_target: Callable[[ModelArchConfig, SpeculativeConfig, Path | None], None] | None = None,
     description: str = "",
+    model_of: Callable[[SpeculativeConfig], str | None] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Class (or factory) decorator: register a drafter as ``method=name``.
 
@@ -134,6 +138,7 @@ def register_drafter(
             check_target,
             description or (inspect.getdoc(factory) or "").split("\n")[0],
             getattr(factory, "__module__", ""),
+            model_of,
         )
         return factory
 
@@ -154,6 +159,21 @@ def drafter_names() -> tuple[str, ...]:
     _load_builtins()
     last = len(_BUILTIN_MODULES)
     return tuple(sorted(_REGISTRY, key=lambda name: _BUILTIN_RANK.get(name, last)))  # stable sort
+
+
+def model_method(config: SpeculativeConfig) -> tuple[ModelKind, str]:
+    """``(kind, method)``: what ``config.model`` is for ``config.method`` (its entry's ``model`` kind) and
+    which method's default it resolves to; for a drafter with ``model_of`` (the hybrid with a learned
+    member), the member's kind and name.
+
+    Raises:
+        ConfigError: an unknown method.
+    """
+    entry = get_drafter(config.method)
+    member = entry.model_of(config) if entry.model_of is not None else None
+    if member is not None:
+        return get_drafter(member).model, member
+    return entry.model, config.method
 
 
 def get_drafter(name: str) -> DrafterEntry:

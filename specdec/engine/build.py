@@ -134,6 +134,8 @@ def drafter_modules(drafter: Drafter | None) -> list[torch.nn.Module]:
         module = getattr(drafter, name, None)
         if isinstance(module, torch.nn.Module) and (name != "model" or isinstance(module, DecoderLM)):
             found.append(module)
+    for member in getattr(drafter, "members", None) or ():  # the hybrid's learned member
+        found += drafter_modules(member)
     return found
 
 

@@ -6,14 +6,15 @@ the engine hands it :func:`step_costs` (``policy.set_step_costs``), measured her
 cache.
 
 Profile: for each token count ``T`` (powers of two up to the largest speculative step the scheduler can
-form, ``min(max_num_seqs, 32) × (num_draft_slots + 1)`` capped by ``max_num_batched_tokens``, plus
-``num_speculative_tokens + 1``), ``min(T, max_num_seqs)`` sequences of about ``T / b`` new tokens at
-positions from 0, every row's logits wanted (verification rows), on scratch KV blocks taken from the pool
-and given back (they may evict cached prefixes; done once per engine, before its first schedule). One
-warm-up forward (a compiled bucket compiles here), then the fastest of ``repeats`` timed forwards (a
-forward's cost is its fastest run; slower ones met the host's other work: with the median of 3, a
-16-token step of Qwen2.5-Coder 1.5B read 150 ms against 125 ms in decoding, and a 5-token step cost more
-than an 8-token one). Then no count costs more than a larger one (a forward over fewer tokens does no
+form, ``min(max_num_seqs, 32) × (num_draft_slots + 1)`` capped by ``max_num_batched_tokens``, one past
+each power of two from 8 on (the stairs of a tiled kernel), plus ``num_speculative_tokens + 1``),
+``min(T, max_num_seqs)`` sequences of about ``T / b`` new tokens at positions from 0, every row's logits
+wanted (verification rows), on scratch KV blocks taken from the pool and given back (they may evict
+cached prefixes; done once per engine, before its first schedule). One warm-up forward (a compiled bucket
+compiles here), then the fastest of ``repeats`` timed forwards (a forward's cost is its fastest run;
+slower ones met the host's other work: with the median of 3, a 16-token step of Qwen2.5-Coder 1.5B read
+150 ms against 125 ms in decoding, and a 5-token step cost more than an 8-token one).
+Then no count costs more than a larger one (a forward over fewer tokens does no
 more work): ``cost(n) = min(cost(m) for m >= n)``. This is
 the weight-bound part of a step (contexts are short); attention over long contexts, sampling and
 verification are learned from observed steps by the policies' cost model (unless frozen).
@@ -123,6 +124,10 @@ def token_counts(engine: LLMEngine) -> list[int]:
     slots = max(engine.num_draft_slots, engine.num_speculative_tokens)
     cap = min(min(sched.max_num_seqs, 32) * (slots + 1), sched.max_num_batched_tokens)
     counts = {c for c in (2**i for i in range(16)) if c <= cap} | {cap}
+    # one past each power of two from 8 on: a step's cost rises in stairs (AMX tiles of 16 rows: on
+    # SmolLM2 bf16 17 tokens cost 13.5 ms against 16's 11.0 and 32's 14.1), which interpolating
+    # between powers of two would smooth into a ramp, making the first extra rows look cheap
+    counts |= {c for c in (2**i + 1 for i in range(3, 16)) if c <= cap}
     if engine.num_speculative_tokens + 1 <= cap:
         counts.add(engine.num_speculative_tokens + 1)
     return sorted(counts)

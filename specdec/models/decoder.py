@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_decode_stack, cpu_gemv
+from kernels import cpu_decode_stack
 from kernels.cpu_decode_stack import DecodeStack, StackLayer
 from kernels.cpu_layer_ops import rms_norm_reference, rope_reference
 from specdec.attention.base import AttentionBackend, AttentionMetadata
@@ -494,7 +494,7 @@ def _run_stack(
         or hidden.dtype != stack.dtype
         or hidden.device.type != "cpu"
         or rope[0].dtype != hidden.dtype
-        or hidden.shape[0] > cpu_gemv.max_rows(hidden.dtype)
+        or hidden.shape[0] > stack.max_rows
         or torch.is_grad_enabled()
         or torch.compiler.is_compiling()
         or k_cache.dtype != hidden.dtype
