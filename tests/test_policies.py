@@ -346,6 +346,18 @@ def test_goodput_explores_a_request_whose_estimate_sank():
     assert [policy.decide(_inputs([hopeless], out=n))[0] for n in range(20)] == [0] * 20
 
 
+def test_goodput_probes_a_batch_together_where_one_probe_alone_cannot_pay():
+    # A draft model's forward costs 8 ms for 1 or 8 rows and a step 10 ms up to 16 tokens: one request's
+    # probe (+1 token hoped for 8 ms) cannot pay at 8 tokens per 10 ms, the 8 requests' together can
+    # (16 tokens in 18 ms). Frozen costs, nothing drafted yet (the hope is the prior plus the bonus: 1).
+    flat = {"step_s": [[1, 0.010], [16, 0.010], [64, 0.05]], "draft_s_per_position": 0.008}
+    policy = build_policy("goodput", PolicyContext(4), {**flat, "frozen": True, "explore_every": 8})
+    answers = [policy.decide(_inputs([None] * 8, out=n)) for n in range(10)]
+    assert answers == [[0] * 8] * 8 + [[1] * 8] + [[0] * 8]
+    alone = build_policy("goodput", PolicyContext(4), {**flat, "frozen": True, "explore_every": 8})
+    assert [alone.decide(_inputs([None], batch_size=8, out=n))[0] for n in range(10)] == [0] * 10
+
+
 def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
     # Each token costs a quarter of a step; the request's history says 90 % acceptance, but the drafts
     # granted on it are never accepted (the winner's curse, exaggerated): settled against its spec_stats,

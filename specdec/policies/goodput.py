@@ -368,17 +368,24 @@ class GoodputPolicy(PolicyBase):
         ``q_d`` times the acceptance hoped for at the next position (the better of the prior and the
         population's conditional figure): one rejection at position 2 would otherwise keep a request at
         one draft for good, its position-2 estimate never seeing another draft. A function of the token
-        history and the costs, so deterministic when frozen. ``charge`` / ``extra_s``: the requests'
+        history and the costs, so deterministic when frozen. The due probes are tried together first (a
+        draft model's forward over 8 rows costs about one row's), then one by one. ``charge`` /
+        ``extra_s``: the requests'
         catch-up charges per committed token and the step's total so far (:meth:`charges`)."""
         out = list(depths)
         tokens = base + sum(out)
         spent = extra_s
         hope: float | None = None
+        # the probes due: (index, its extra expected tokens, its extra catch-up seconds)
+        due: list[tuple[int, float, float]] = []
+        clocks: list[list[int]] = []
         for i, x in enumerate(batch):
             rid, n = x.request.request_id, x.request.num_output_tokens
             last = self._last_draft.get(rid)  # per depth j + 1: output length when it last drafted >= j + 1
             if last is None:
                 last = self._last_draft[rid] = [n] * self.k
+            self._last_draft.move_to_end(rid)
+            clocks.append(last)
             d = out[i]
             if d < min(x.max_drafts, self.k) and n - last[d] >= self.explore_every:
                 if d == 0:
@@ -387,14 +394,41 @@ class GoodputPolicy(PolicyBase):
                 else:
                     cond = population[d] / population[d - 1] if population[d - 1] > 0 else 0.0
                     extra = alphas[i][d - 1] * max(self.prior_acceptance, cond)
-                trial = out[:i] + [d + 1] + out[i + 1 :]
-                more_s = charge[i] * (extra + (1 if d == 0 else 0))
-                with_probe = self._rate(gain + extra, tokens + 1, trial, prefill, value, spent + more_s)
-                if _better(with_probe, self._rate(gain, tokens, out, prefill, value, spent)):
-                    out, gain, tokens, spent = trial, gain + extra, tokens + 1, spent + more_s
+                due.append((i, extra, charge[i] * (extra + (1 if d == 0 else 0))))
+
+        def with_probes(probes: list[tuple[int, float, float]]) -> tuple[list[int], float, int, float]:
+            trial = list(out)
+            for i, _, _ in probes:
+                trial[i] += 1
+            return (
+                trial,
+                gain + sum(e for _, e, _ in probes),
+                tokens + len(probes),
+                spent + sum(c for _, _, c in probes),
+            )
+
+        # All due probes together first: a draft model's forward costs about the same for 1 or 8 rows,
+        # so one request's probe may not pay where every request's would (Qwen2.5-Coder 1.5B <- 0.5B at 8
+        # requests: no request alone ever probed, and plain decoding ran at 0.81 of static k = 4's speed).
+        if len(due) > 1:
+            trial, g, t, sp = with_probes(due)
+            if _better(
+                self._rate(g, t, trial, prefill, value, sp),
+                self._rate(gain, tokens, out, prefill, value, spent),
+            ):
+                out, gain, tokens, spent = trial, g, t, sp
+                due = []
+        for probe in due:  # else one by one, each where it pays
+            trial, g, t, sp = with_probes([probe])
+            if _better(
+                self._rate(g, t, trial, prefill, value, sp),
+                self._rate(gain, tokens, out, prefill, value, spent),
+            ):
+                out, gain, tokens, spent = trial, g, t, sp
+        n_out = [x.request.num_output_tokens for x in batch]
+        for i, last in enumerate(clocks):
             for j in range(out[i]):
-                last[j] = n
-            self._last_draft.move_to_end(rid)
+                last[j] = n_out[i]
         while len(self._last_draft) > HISTORY:
             self._last_draft.popitem(last=False)
         return out
