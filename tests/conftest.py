@@ -81,6 +81,26 @@ def save_target_and_draft(root: Path, vocab_size: int, target_seed: int, draft_s
     return target
 
 
+def save_random_eagle_head(target_dir: Path, out: Path, seed: int = 12, std: float = 0.3) -> Path:
+    """A random EAGLE head (weights ~ N(0, ``std``), norms included) for the tiny target saved in
+    ``target_dir``, saved to ``out`` in this library's head layout; returns ``out``."""
+    from specdec.drafters.heads import HeadConfig, arch_fields, build_heads, save_heads
+    from specdec.models.config import ModelArchConfig
+
+    arch = ModelArchConfig.from_pretrained(target_dir)
+    cfg = HeadConfig(
+        method="eagle", target="tiny", hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+        arch=arch_fields(arch),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    head = build_heads(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, std)
+    save_heads(head, cfg, out)
+    return out
+
+
 def first_three_logits(
     model, prompt: list[int], vocab_size: int, dtype: torch.dtype = torch.float64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from specdec import LLM
 from specdec.drafters.eagle3_head import Eagle3Head
 from specdec.drafters.heads import HeadConfig, arch_fields, save_heads
 from specdec.models.config import ModelArchConfig
-from tests.conftest import first_three_logits, save_target_and_draft
+from tests.conftest import first_three_logits, save_random_eagle_head, save_target_and_draft
 from tests.stats import ALPHA, assert_differs
 from tests.test_spec_distribution import (
     BATCH,
@@ -160,21 +160,7 @@ NUM_EAGLE_CALLS = 8  # 20,000 sampled requests per mode
 @pytest.fixture(scope="module")
 def eagle_head(setup):
     """A random EAGLE-2 head for the same tiny target (drafting over ``DRAFT_VOCAB`` via ``draft_vocab``)."""
-    from specdec.drafters.heads import build_heads
-
-    arch = ModelArchConfig.from_pretrained(setup["target"])
-    cfg = HeadConfig(
-        method="eagle", target="tiny", hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
-        arch=arch_fields(arch),
-    )  # fmt: skip
-    torch.manual_seed(12)
-    head = build_heads(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3)
-    out = setup["target"].parent / "eagle_head"
-    save_heads(head, cfg, out)
-    return out
+    return save_random_eagle_head(setup["target"], setup["target"].parent / "eagle_head")
 
 
 def make_eagle_llm(setup, head, tree: bool) -> LLM:

@@ -67,6 +67,7 @@ def test_defaults_are_the_old_argparse_defaults():
         "medusa-v8k",
         "eagle-v8k",
         "eagle-v8k-tree",
+        "hybrid-eagle",
         "quantized-int8",
     ]
     assert drafters.specbench_path == "../shared/specbench/question.jsonl"

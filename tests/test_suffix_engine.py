@@ -16,7 +16,12 @@ import torch
 import sampling.tree_rejection_sampler as trs
 from sampling.params import SamplingParams
 from specdec import LLM
-from tests.conftest import first_three_logits, first_two_token_counts, save_target_and_draft
+from tests.conftest import (
+    first_three_logits,
+    first_two_token_counts,
+    save_random_eagle_head,
+    save_target_and_draft,
+)
 from tests.stats import ALPHA, assert_differs, goodness_of_fit
 from tests.test_rejection_sampler import AcceptEverything
 
@@ -97,22 +102,7 @@ def test_greedy_output_equals_plain_decoding(setup, method, tree, share, policy)
 @pytest.fixture(scope="module")
 def eagle_head(setup):
     """A random EAGLE head for the tiny target: a learned hybrid member whose drafts are mostly wrong."""
-    from specdec.drafters.heads import HeadConfig, arch_fields, build_heads, save_heads
-    from specdec.models.config import ModelArchConfig
-
-    arch = ModelArchConfig.from_pretrained(setup["target"])
-    cfg = HeadConfig(
-        method="eagle", target="tiny", hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
-        arch=arch_fields(arch),
-    )  # fmt: skip
-    torch.manual_seed(12)
-    head = build_heads(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3)
-    out = setup["target"].parent / "eagle_head"
-    save_heads(head, cfg, out)
-    return out
+    return save_random_eagle_head(setup["target"], setup["target"].parent / "eagle_head")
 
 
 def _learned_spec(head, tree: bool, k: int = 3) -> dict:
