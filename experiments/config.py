@@ -216,8 +216,7 @@ class HybridDrafterConfig(SuffixDrafterConfig):
         if self.model is not None:
             spec["model"] = self.model
         if self.draft_vocab is not None:
-            vocab = self.draft_vocab
-            spec["draft_vocab"] = vocab if isinstance(vocab, str) else [int(i) for i in vocab]
+            spec["draft_vocab"] = draft_vocab_value(self.draft_vocab)
         return spec
 
     def field_keys(self) -> dict[str, str]:
@@ -316,6 +315,12 @@ class HeadDrafterConfig(DrafterConfig):
         }
 
 
+def draft_vocab_value(vocab: Any) -> str | list[int]:
+    """``drafter.draft_vocab`` as ``SpeculativeConfig`` takes it: a head's name or directory, or token ids
+    (Hydra gives a ``ListConfig``)."""
+    return vocab if isinstance(vocab, str) else [int(i) for i in vocab]
+
+
 @dataclass
 class ReducedVocabHeadConfig(HeadDrafterConfig):
     """A head drafting through the target's LM head, optionally over a reduced vocabulary.
@@ -331,8 +336,7 @@ class ReducedVocabHeadConfig(HeadDrafterConfig):
     def _method_config(self) -> dict[str, Any] | None:
         spec = super()._method_config()
         if spec is not None and self.draft_vocab is not None:
-            vocab = self.draft_vocab
-            spec["draft_vocab"] = vocab if isinstance(vocab, str) else [int(i) for i in vocab]
+            spec["draft_vocab"] = draft_vocab_value(self.draft_vocab)
         return spec
 
 
