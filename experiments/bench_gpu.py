@@ -14,10 +14,17 @@
    prefill as a fraction of the matrix rate.
 4. Engine decode step (``ModelRunner``: build the inputs, forward, greedy pick, copy to host) at batch 1
    and 32 with random weights in the SmolLM2-135M and Qwen2.5-1.5B configurations, each request with a
-   512-token context, Triton and reference attention; against the floor weight bytes ÷ copy bandwidth.
+   512-token context, Triton attention with CUDA graphs off and on, and the reference attention; against
+   the floor weight bytes ÷ copy bandwidth.
+5. The whole engine (``specdec.LLM``) on a random SmolLM2-135M: plain, n-gram and EAGLE chains, 1 and 32
+   requests, CUDA graphs off and on (tokens per second, τ, fraction of the copy bandwidth).
+6. The peer: transformers ``generate`` on the same model and prompts, eager and with its static cache
+   (compiled on CUDA).
+7. A profile of the eager decode step: kernels per step, their summed device time, the largest.
 
 A short table is printed last; ``--out`` also writes every figure as JSON. Exit status 1 when a
-correctness check fails. Needs torch and triton only (no transformers, no weights).
+correctness check fails. Needs torch and triton (sections 1-4) and transformers (section 5, which saves a
+random model in its layout); no weights.
 
 It lives in ``experiments`` (it was ``kernels/bench_gpu.py``) because section 4 runs the engine's
 ``ModelRunner`` and attention backends from ``specdec``, which ``kernels`` may not import (see
@@ -82,7 +89,7 @@ class Report:
             return str(v)
 
         lines = []
-        for section in ("ceiling", "check", "kernel", "engine"):
+        for section in ("ceiling", "check", "kernel", "engine", "llm", "profile"):
             rows = [r for r in self.rows if r["section"] == section]
             if not rows:
                 continue
@@ -416,6 +423,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype):
 
 
 def time_engine(report: Report, device: torch.device, smoke: bool, bw: float) -> None:
+    from specdec.config import CompilationConfig
     from specdec.model_runner import ModelRunner, Segment, build_inputs
 
     dtype = torch.float32 if smoke and device.type == "cpu" else torch.bfloat16
@@ -426,8 +434,15 @@ def time_engine(report: Report, device: torch.device, smoke: bool, bw: float) ->
         for batch in (1, 2) if smoke else (1, 32):
             per_req = -(-(ctx + 1) // bs)
             logits: dict[str, torch.Tensor] = {}
-            for backend in ("triton", "reference"):
-                runner = ModelRunner(model, batch * per_req + 1, bs, attention=backend)
+            for backend in ("triton", "triton+graphs", "reference"):
+                graphs = backend.endswith("+graphs")
+                compilation = CompilationConfig(enabled=False, cuda_graphs=True) if graphs else None
+                if graphs and device.type != "cuda":
+                    continue
+                attention = backend.removesuffix("+graphs")
+                runner = ModelRunner(
+                    model, batch * per_req + 1, bs, attention=attention, compilation=compilation
+                )
                 segs = [
                     Segment(list(range(1 + i * per_req, 1 + (i + 1) * per_req)), ctx, [5 + i], 1)
                     for i in range(batch)
@@ -447,9 +462,235 @@ def time_engine(report: Report, device: torch.device, smoke: bool, bw: float) ->
                 del runner
             diff = float((logits["triton"] - logits["reference"]).abs().max())
             report.add("engine", f"{name} b{batch} logits, triton vs reference", max_err=diff)
+            if "triton+graphs" in logits:
+                diff = float((logits["triton+graphs"] - logits["triton"]).abs().max())
+                same = logits["triton+graphs"].argmax(-1).equal(logits["triton"].argmax(-1))
+                report.add(
+                    "engine", f"{name} b{batch} logits, graphs vs eager", max_err=diff, greedy_equal=same
+                )
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ 5. engine
+def save_random_hf_model(name: str, directory: str, dtype: torch.dtype) -> str:
+    """A random model of ``name``'s configuration in transformers' layout (the zoo's weights are not
+    on a GPU machine; the step's cost does not depend on the values)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = MODEL_CONFIGS[name]
+    fields: dict[str, Any] = dict(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"],
+        num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"], rope_theta=c["rope_theta"],
+        tie_word_embeddings=c["tie"], max_position_embeddings=c["max_pos"], bos_token_id=1, eos_token_id=2,
+        rms_norm_eps=1e-5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model: Any = LlamaForCausalLM(LlamaConfig(**fields))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.to(dtype).save_pretrained(directory)
+    return directory
+
+
+def save_random_eagle_head(target_dir: str, directory: str) -> str:
+    from specdec.drafters.heads import HeadConfig, arch_fields, build_heads, save_heads
+    from specdec.models.config import ModelArchConfig
+
+    arch = ModelArchConfig.from_pretrained(target_dir)
+    cfg = HeadConfig(
+        method="eagle", target="random", hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+        arch=arch_fields(arch),
+    )  # fmt: skip
+    torch.manual_seed(1)
+    head = build_heads(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.02)
+    save_heads(head, cfg, directory)
+    return directory
+
+
+def time_llm(report: Report, device: torch.device, smoke: bool, bw: float) -> None:
+    """The whole engine (``specdec.LLM``: scheduling, drafting, verification, sampling) on a random
+    SmolLM2-135M: plain decoding, n-gram and EAGLE chains of 4, 1 and 32 requests, CUDA graphs off and
+    on; greedy, ``ignore_eos``. Reports tokens per second, τ, target forwards per second and the
+    fraction of the copy bandwidth those forwards' weight bytes take; and whether the greedy tokens with
+    graphs equal those without (they may differ where bf16 products round differently at another row
+    count)."""
+    import tempfile
+
+    from specdec import LLM, SamplingParams
+
+    name = "tiny" if smoke else "SmolLM2-135M"
+    dtype = "float32" if smoke and device.type == "cpu" else "bfloat16"
+    tmp = tempfile.mkdtemp(prefix="specdec_bench_gpu_")
+    target = save_random_hf_model(name, os.path.join(tmp, "target"), getattr(torch, dtype))
+    head = save_random_eagle_head(target, os.path.join(tmp, "eagle"))
+    weight_bytes = sum(
+        os.path.getsize(os.path.join(target, f)) for f in os.listdir(target) if f.endswith(".safetensors")
+    )
+    specs: dict[str, dict | None] = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+        "eagle": {"method": "eagle", "model": head, "num_speculative_tokens": 4},
+    }
+    max_tokens = 8 if smoke else 128
+    for batch in (1, 2) if smoke else (1, 32):
+        prompts = [{"prompt_token_ids": p} for p in llm_prompts(name, batch)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for method, spec in specs.items():
+            tokens: dict[bool, list[list[int]]] = {}
+            for graphs in (False, True) if device.type == "cuda" else (False,):
+                case = f"{name} {method} b{batch} graphs={'on' if graphs else 'off'}"
+                try:
+                    llm = LLM(
+                        target, dtype=dtype, device=str(device), skip_tokenizer_init=True,
+                        speculative_config=spec, cuda_graphs=graphs, max_num_seqs=max(batch, 1),
+                        max_num_batched_tokens=max(512, batch * 64),
+                    )  # fmt: skip
+                    llm.generate(prompts, params)  # warm-up: Triton compilations, graph captures
+                    _sync(device)
+                    engine = llm.engine
+                    steps0 = engine.num_steps
+                    engine.reset_spec_stats()
+                    t0 = time.perf_counter()
+                    outs = llm.generate(prompts, params)
+                    _sync(device)
+                    elapsed = time.perf_counter() - t0
+                except Exception as e:  # one failing row must not lose the others
+                    report.failures.append(case)
+                    report.add("llm", case, error=f"{type(e).__name__}: {e}"[:300])
+                    continue
+                steps = engine.num_steps - steps0
+                tokens[graphs] = [list(o.outputs[0].token_ids) for o in outs]
+                n_tokens = sum(len(t) for t in tokens[graphs])
+                stats = engine.spec_stats
+                tau = stats.mean_acceptance_length if stats is not None and stats.num_drafts else 1.0
+                graph_stats = engine.runner.cuda_graph_stats
+                report.add(
+                    "llm", case, tok_s=n_tokens / elapsed, tau=tau, steps=steps,
+                    ms_per_step=elapsed / steps * 1e3,
+                    floor_fraction=weight_bytes * steps / elapsed / bw,
+                    graph_share=(
+                        graph_stats.graph_calls / max(1, graph_stats.graph_calls + graph_stats.eager_calls)
+                        if graph_stats is not None else 0.0
+                    ),
+                )  # fmt: skip
+                del llm, engine
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if len(tokens) == 2:
+                report.add(
+                    "llm",
+                    f"{name} {method} b{batch} greedy, graphs vs eager",
+                    equal=tokens[True] == tokens[False],
+                )
+
+
+def llm_prompts(name: str, batch: int) -> list[list[int]]:
+    """``batch`` prompts of 64 tokens, each a 16-token motif repeated (n-gram lookup finds drafts)."""
+    gen = torch.Generator().manual_seed(batch)
+    vocab = MODEL_CONFIGS[name]["vocab_size"]
+    return [(torch.randint(3, vocab, (16,), generator=gen).tolist() * 4)[:64] for _ in range(batch)]
+
+
+# ------------------------------------------------------------------------------------------ 6. peers
+def time_peers(report: Report, device: torch.device, smoke: bool, bw: float) -> None:
+    """transformers on the same random SmolLM2-135M and prompts as section 5: ``generate`` greedy,
+    eager (dynamic cache), and with its static cache, which transformers compiles (``torch.compile``,
+    CUDA graphs through inductor's ``reduce-overhead``) on CUDA; 1 and 32 requests, 128 new tokens
+    (``min_new_tokens``: no early stop). The second of two calls is timed (the first compiles)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    name = "tiny" if smoke else "SmolLM2-135M"
+    dtype = torch.float32 if smoke and device.type == "cpu" else torch.bfloat16
+    target = save_random_hf_model(name, os.path.join(tempfile.mkdtemp(prefix="specdec_peer_"), "t"), dtype)
+    model: Any = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+    model = model.to(device).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    max_tokens = 8 if smoke else 128
+    modes = ("eager",) if smoke else ("eager", "static")
+    for batch in (1, 2) if smoke else (1, 32):
+        ids = torch.tensor(llm_prompts(name, batch), device=device)
+        for mode in modes:
+            kwargs: dict[str, Any] = dict(
+                max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+            )
+            if mode == "static":
+                kwargs["cache_implementation"] = "static"
+            case = f"transformers {name} {mode} b{batch}"
+            try:
+                with torch.no_grad():
+                    model.generate(ids, **kwargs)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    out = model.generate(ids, **kwargs)
+                    _sync(device)
+                elapsed = time.perf_counter() - t0
+            except Exception as e:
+                report.add("llm", case, error=f"{type(e).__name__}: {e}"[:300])
+                continue
+            n = (out.shape[1] - ids.shape[1]) * batch
+            steps = out.shape[1] - ids.shape[1]
+            report.add(
+                "llm", case, tok_s=n / elapsed, tau=1.0, steps=steps, ms_per_step=elapsed / steps * 1e3,
+                floor_fraction=weight_bytes * steps / elapsed / bw,
+            )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ 7. profile
+def profile_step(report: Report, device: torch.device, smoke: bool) -> None:
+    """Where an eager decode step's device time goes (``torch.profiler``): kernels launched per step,
+    their summed device time, and the kernels that take the most, for SmolLM2-135M at 1 and 32 requests
+    (512-token contexts, Triton attention). With CUDA graphs the step costs about the summed kernel time;
+    eagerly, the launches' host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specdec.model_runner import ModelRunner, Segment, build_inputs
+
+    name = "tiny" if smoke else "SmolLM2-135M"
+    dtype = torch.float32 if smoke and device.type == "cpu" else torch.bfloat16
+    model = build_model(name, device, dtype)
+    bs, ctx = 16, (20 if smoke else 512)
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    for batch in (1, 2) if smoke else (1, 32):
+        per_req = -(-(ctx + 1) // bs)
+        runner = ModelRunner(model, batch * per_req + 1, bs)
+        segs = [
+            Segment(list(range(1 + i * per_req, 1 + (i + 1) * per_req)), ctx, [5 + i], 1)
+            for i in range(batch)
+        ]
+        inputs = build_inputs(segs, bs, device)
+        for _ in range(3):
+            runner.execute(inputs)
+        _sync(device)
+        steps = 5
+        with profile(activities=[activity]) as prof:
+            for _ in range(steps):
+                runner.execute(inputs)
+            _sync(device)
+        events = [
+            e for e in prof.key_averages()
+            if (e.device_type.name == "CUDA" if device.type == "cuda" else e.key.startswith("aten::"))
+        ]  # fmt: skip
+
+        def total_us(e: Any) -> float:
+            return float(getattr(e, "device_time_total", 0.0) or getattr(e, "self_cpu_time_total", 0.0))
+
+        kernels = sum(e.count for e in events) / steps
+        busy_ms = sum(total_us(e) for e in events) / steps / 1e3
+        top = sorted(events, key=total_us, reverse=True)[:8]
+        report.add(
+            "profile", f"{name} eager decode b{batch} ctx{ctx}", kernels_per_step=kernels, kernel_ms=busy_ms,
+            top="; ".join(f"{e.key[:48]} x{e.count // steps} {total_us(e) / steps / 1e3:.3f}ms" for e in top),
+        )  # fmt: skip
+        del runner
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -461,8 +702,19 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="tiny sizes, one timed call each (CPU: interpreter)"
     )
     parser.add_argument("--out", default=None, help="write every figure as JSON here")
-    parser.add_argument("--skip-engine", action="store_true", help="skip section 4")
+    parser.add_argument("--skip-engine", action="store_true", help="skip sections 4 to 7")
+    parser.add_argument(
+        "--sections",
+        default="checks,kernels,engine,llm,peers,profile",
+        help="comma-separated sections to run after the ceilings (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
+    sections = {x.strip() for x in args.sections.split(",") if x.strip()}
+    unknown = sections - {"checks", "kernels", "engine", "llm", "peers", "profile"}
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
+    if args.skip_engine:
+        sections -= {"engine", "llm", "peers", "profile"}
     cuda = torch.cuda.is_available()
     if not cuda:
         if not args.smoke:
@@ -473,11 +725,18 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     t0 = time.perf_counter()
     bw, flops = ceilings(report, device, args.smoke)
-    check_kernels(report, device, args.smoke)
-    if cuda or args.smoke:
+    if "checks" in sections:
+        check_kernels(report, device, args.smoke)
+    if "kernels" in sections:
         time_kernels(report, device, args.smoke, bw, flops)
-    if not args.skip_engine:
+    if "engine" in sections:
         time_engine(report, device, args.smoke, bw)
+    if "llm" in sections:
+        time_llm(report, device, args.smoke, bw)
+    if "peers" in sections:
+        time_peers(report, device, args.smoke, bw)
+    if "profile" in sections:
+        profile_step(report, device, args.smoke)
     name = torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter)"
     summary = {
         "device": name,

@@ -597,6 +597,8 @@ class EngineConfig:
         compile: ``torch.compile`` the forward (``specdec.LLM``'s ``compile``; False: eager, the
             reference).
         compile_buckets: token buckets of the compiled forward (None: the library's default).
+        cuda_graphs: on CUDA, replay decode and chain-verification steps from CUDA graphs
+            (``specdec.LLM``'s ``cuda_graphs``; a CPU device then fails with a ``ConfigError``).
         adaptive_threads: on the CPU, use only the cores other processes leave free (``specdec.LLM``'s
             ``cpu_threads="auto"``, at most ``torch_threads``); False: a fixed count.
         grammar_backend: what compiles the ``grammar`` group's constraints: ``auto``, ``llguidance``,
@@ -619,6 +621,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     compile: bool = False
     compile_buckets: list[int] | None = None
+    cuda_graphs: bool = False
     adaptive_threads: bool = True
     grammar_backend: str = "auto"
 
@@ -654,6 +657,7 @@ class EngineConfig:
             "quantization": self.quantization_arg(),
             "kv_cache_dtype": self.kv_cache_dtype,
             "compile": self.compile_arg(),
+            "cuda_graphs": self.cuda_graphs,
             "cpu_threads": "auto" if self.adaptive_threads else None,
             "grammar_backend": self.grammar_backend,
         }

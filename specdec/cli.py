@@ -97,6 +97,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         speculative_config=spec,
         compile=args.compile,
+        cuda_graphs=args.cuda_graphs,
         cpu_threads=args.cpu_threads,
         grammar_backend=args.grammar_backend,
     )
@@ -174,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch.compile the forward, one graph per token bucket (slower start, faster steps; "
         "default: eager, the reference)",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="on CUDA, replay decode and verification steps from CUDA graphs (default: off)",
     )
     g.add_argument(
         "--cpu-threads",

@@ -86,11 +86,22 @@ class CompilationConfig:
         buckets: token counts the forward is padded to (sorted, distinct, positive); wider forwards
             (long prefill chunks) run eagerly. Default :data:`~specdec.compilation.buckets.DEFAULT_BUCKETS`.
         backend: ``"inductor"``, or ``"eager"`` (traces and pads without generating code: for tests).
+        cuda_graphs: on CUDA, replay decode and chain-verification steps from captured CUDA graphs (see
+            :mod:`specdec.compilation.cuda_graphs`); independent of ``enabled`` (graphs of the eager or
+            of the compiled forward). Needs a CUDA device and the Triton attention backend.
+        cuda_graph_batch_sizes: requests per step that graphs are captured for (a step is padded to the
+            next one; more requests run eagerly). Default
+            :data:`~specdec.compilation.cuda_graphs.DEFAULT_CAPTURE_SIZES`.
+        cuda_graph_max_query_len: the longest query (new tokens of one request) a graph takes: a decode
+            token is 1, a chain of k drafts k + 1. Default 8.
     """
 
     enabled: bool = True
     buckets: tuple[int, ...] | None = None
     backend: str = "inductor"
+    cuda_graphs: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    cuda_graph_max_query_len: int = 8
 
     def __post_init__(self) -> None:
         from specdec.compilation.buckets import DEFAULT_BUCKETS, check_buckets
@@ -103,10 +114,23 @@ class CompilationConfig:
             raise ConfigError(f"compile buckets: {e}") from None
         if self.backend not in ("inductor", "eager"):
             raise ConfigError(f"compile backend must be 'inductor' or 'eager', got {self.backend!r}")
+        from specdec.compilation.cuda_graphs import DEFAULT_CAPTURE_SIZES
+
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"compile cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        sizes = DEFAULT_CAPTURE_SIZES if self.cuda_graph_batch_sizes is None else self.cuda_graph_batch_sizes
+        try:
+            self.cuda_graph_batch_sizes = check_buckets(list(sizes))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"compile cuda_graph_batch_sizes: {e}") from None
+        q = self.cuda_graph_max_query_len
+        if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= 64:
+            raise ConfigError(f"compile cuda_graph_max_query_len must be an int in [1, 64], got {q!r}")
 
     @classmethod
     def from_any(cls, value: CompilationConfig | dict | bool | None) -> CompilationConfig | None:
-        """``True`` (defaults), ``False`` / None (off), a dict of fields, or a config; None when off.
+        """``True`` (defaults), ``False`` / None (off), a dict of fields, or a config; None when neither
+        ``enabled`` nor ``cuda_graphs`` is set.
 
         Raises:
             ConfigError: another type, an unknown field, or an invalid value.
@@ -123,7 +147,7 @@ class CompilationConfig:
             value = cls(**value)
         if not isinstance(value, cls):
             raise ConfigError(f"compile must be a bool, a dict or a CompilationConfig, got {value!r}")
-        return value if value.enabled else None
+        return value if value.enabled or value.cuda_graphs else None
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -91,6 +91,11 @@ class LLM:
             one graph per token bucket: False (eager, the reference), True, or a dict /
             :class:`~specdec.config.CompilationConfig` (``buckets``, ``backend``). Each bucket compiles on
             its first use; ``llm.engine.runner.compile_stats`` reports them. See :mod:`specdec.compilation`.
+        cuda_graphs: on CUDA, replay decode and chain-verification steps (the target's and a draft
+            model's) from CUDA graphs captured per padded batch shape on first use; prefill chunks and
+            token trees run eagerly. Same as ``compile={"enabled": ..., "cuda_graphs": True}``;
+            ``llm.engine.runner.cuda_graph_stats`` reports them. See
+            :mod:`specdec.compilation.cuda_graphs`.
         cpu_threads: intra-op threads on the CPU: ``"auto"`` (as many as there are cores that other
             processes leave free, re-sampled twice a second: a busy machine does not collapse the step),
             a fixed count, or None (torch's setting untouched). See :mod:`specdec.engine.threads`.
@@ -103,7 +108,7 @@ class LLM:
         UnknownModelError, ModelFetchError, ChecksumError, CorruptModelError: the model cannot be had.
         ValueError: invalid configuration values.
         ConfigError: an unknown ``grammar_backend`` (the known ones named) or one whose package is
-            missing.
+            missing; ``cuda_graphs`` without a CUDA device or with an attention backend other than Triton.
         TypeError: an unknown keyword argument, with what to write instead (``max_model_length`` ->
             ``max_model_len``...: :data:`LLM_ALIASES`, else the closest names).
     """
@@ -127,6 +132,7 @@ class LLM:
         quantization: Any = None,
         kv_cache_dtype: str = "auto",
         compile: bool | dict | CompilationConfig = False,
+        cuda_graphs: bool = False,
         cpu_threads: int | str | None = "auto",
         grammar_backend: str = "auto",
     ) -> None:
@@ -140,6 +146,13 @@ class LLM:
         torch_dtype = resolve_dtype(dtype)
         quantization_config = QuantizationConfig.from_any(quantization)
         compilation = CompilationConfig.from_any(compile)
+        if not isinstance(cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if cuda_graphs:
+            base = compilation or CompilationConfig(enabled=False)
+            compilation = dataclasses.replace(base, cuda_graphs=True)
+        if compilation is not None and compilation.cuda_graphs and resolve_device(device).type != "cuda":
+            raise ConfigError(f"cuda_graphs needs a CUDA device, got device={device!r}")
         check_threads(cpu_threads)
         self.grammar_backend_name = check_grammar_backend(grammar_backend)
         cache_config = CacheConfig(

@@ -16,6 +16,7 @@ from specdec.scheduler import ScheduledRequest
 
 if TYPE_CHECKING:
     from specdec.compilation.compiled_model import CompiledDecoder, CompileStats
+    from specdec.compilation.cuda_graphs import CudaGraphRunner, CudaGraphStats
     from specdec.config import CompilationConfig
 
 
@@ -254,7 +255,13 @@ class ModelRunner:
         kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` (see
             :mod:`specdec.quantization.kv_cache`).
         compilation: compile the forward piecewise, one graph per token bucket (see
-            :mod:`specdec.compilation`); None runs the eager model.
+            :mod:`specdec.compilation`), and / or replay steps from CUDA graphs
+            (``compilation.cuda_graphs``, :mod:`specdec.compilation.cuda_graphs`); None runs the eager
+            model.
+
+    Raises:
+        ConfigError: ``cuda_graphs`` on a model not on CUDA, or with an attention backend that cannot run
+            in graphs (the reference).
     """
 
     def __init__(
@@ -278,10 +285,35 @@ class ModelRunner:
         )
         #: The forward run by :meth:`execute`: the model, or its compiled form.
         self.forward: DecoderLM | CompiledDecoder = model
-        if compilation is not None:
+        if compilation is not None and compilation.enabled:
             from specdec.compilation.compiled_model import CompiledDecoder
 
             self.forward = CompiledDecoder(model, compilation.buckets or (), compilation.backend)
+        #: Replays decode and chain-verification steps from CUDA graphs (None: off).
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if compilation is not None and compilation.cuda_graphs:
+            self.cuda_graphs = self._graph_runner(compilation, num_blocks)
+
+    def _graph_runner(self, compilation: CompilationConfig, num_blocks: int) -> CudaGraphRunner:
+        from specdec.compilation.cuda_graphs import CudaGraphRunner, supports_cuda_graphs
+
+        if self.device.type != "cuda":
+            raise ConfigError(f"cuda_graphs needs a model on a CUDA device; this one is on {self.device}")
+        if not supports_cuda_graphs(self.attention):
+            raise ConfigError(
+                f"cuda_graphs needs the Triton attention backend, not {type(self.attention).__name__} "
+                "(an int8 KV cache or SPECDEC_FORCE_REFERENCE=1 selects the reference)"
+            )
+        cfg = self.model.cfg
+        return CudaGraphRunner(
+            self.forward, self.kv_caches, self.attention, cfg.num_heads, cfg.num_kv_heads, num_blocks,
+            compilation.cuda_graph_batch_sizes or (), compilation.cuda_graph_max_query_len,
+        )  # fmt: skip
+
+    @property
+    def cuda_graph_stats(self) -> CudaGraphStats | None:
+        """Graphs captured and forwards replayed / run eagerly; None when CUDA graphs are off."""
+        return None if self.cuda_graphs is None else self.cuda_graphs.stats
 
     @property
     def compile_stats(self) -> CompileStats | None:
@@ -320,6 +352,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """Run the forward; returns ``[R, vocab_size]`` float32 logits at ``inputs.logits_indices``."""
+        if self.cuda_graphs is not None:
+            out = self.cuda_graphs.run(
+                inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices, False
+            )
+            if out is not None:
+                return out[0]
         logits, _ = self.forward(
             inputs.input_ids,
             inputs.positions,
@@ -334,6 +372,12 @@ class ModelRunner:
     def execute_with_hidden(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the forward; returns the logits ``[R, vocab_size]`` float32 at ``inputs.logits_indices``
         and the final-norm hidden states of every row ``[T, hidden_size]`` (for learned drafters)."""
+        if self.cuda_graphs is not None:
+            out = self.cuda_graphs.run(
+                inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices, True
+            )
+            if out is not None:
+                return out
         return self.forward(
             inputs.input_ids,
             inputs.positions,

@@ -35,6 +35,36 @@ class TritonAttention:
         one (plus a merge kernel when a long-context decode batch is split along the keys). Sliding windows
     (positions from the tree's depths under tree masks) and soft-capping go to the kernel."""
 
+    @staticmethod
+    def _plan(metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device) -> _Plan:
+        """The forward's launch plan, computed once per metadata (cached in ``metadata.backend_cache``)."""
+        from kernels.paged_attention import choose_block_m, choose_num_splits, pack_new_token_masks
+
+        plan = metadata.backend_cache.get("triton")
+        if plan is None:
+            max_q = max(metadata.query_lens, default=0)
+            block_q = choose_block_m(num_heads // num_kv_heads, max_q) // (num_heads // num_kv_heads)
+            programs = sum(-(-q // block_q) for q in metadata.query_lens) * num_kv_heads
+            plan = metadata.backend_cache["triton"] = _Plan(
+                tree_mask=pack_new_token_masks(metadata.new_token_masks, metadata.query_lens, device),
+                max_query_len=max_q,
+                num_splits=choose_num_splits(
+                    programs, max_q, max(metadata.seq_lens_host, default=0), _num_sms(device)
+                ),
+            )
+        return plan
+
+    def cuda_graph_key(
+        self, metadata: AttentionMetadata, num_heads: int, num_kv_heads: int
+    ) -> tuple[int, int]:
+        """The launch choices a forward over ``metadata`` takes from host values: ``(max_query_len,
+        num_splits)``. A CUDA graph captured for one key replays correctly for any metadata of the same
+        key and shapes (:mod:`specdec.compilation.cuda_graphs`): the kernels read lengths, slots and
+        block tables from device memory."""
+        device = metadata.seq_lens.device
+        plan = self._plan(metadata, num_heads, num_kv_heads, device)
+        return plan.max_query_len, plan.num_splits
+
     def forward(
         self,
         query: torch.Tensor,
@@ -49,28 +79,11 @@ class TritonAttention:
         softcap: float | None = None,
     ) -> torch.Tensor:
         """As :class:`~specdec.attention.base.AttentionBackend`."""
-        from kernels.paged_attention import (
-            choose_block_m,
-            choose_num_splits,
-            pack_new_token_masks,
-            paged_attention_triton,
-        )
+        from kernels.paged_attention import paged_attention_triton
         from kernels.reshape_and_cache import reshape_and_cache_triton
 
         reshape_and_cache_triton(key, value, k_cache, v_cache, metadata.slot_mapping)
-        plan = metadata.backend_cache.get("triton")
-        if plan is None:
-            max_q = max(metadata.query_lens, default=0)
-            group = query.shape[1] // k_cache.shape[2]
-            block_q = choose_block_m(group, max_q) // group
-            programs = sum(-(-q // block_q) for q in metadata.query_lens) * k_cache.shape[2]
-            plan = metadata.backend_cache["triton"] = _Plan(
-                tree_mask=pack_new_token_masks(metadata.new_token_masks, metadata.query_lens, query.device),
-                max_query_len=max_q,
-                num_splits=choose_num_splits(
-                    programs, max_q, max(metadata.seq_lens_host, default=0), _num_sms(query.device)
-                ),
-            )
+        plan = self._plan(metadata, query.shape[1], k_cache.shape[2], query.device)
         return paged_attention_triton(
             query,
             k_cache,

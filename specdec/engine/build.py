@@ -111,10 +111,11 @@ def build_engine_parts(
     # form: few-row products through the CPU GEMV kernel where it builds, else bfloat16 linears
     # pre-packed for oneDNN (eager only: inductor cannot trace packed weights, and freezes its own).
     memo: dict[int, Any] = {}  # modules a draft model shares with the target are swapped once
+    compiled = compilation is not None and compilation.enabled
     for m in (model, *drafter_modules(drafter)):
-        if use_gemv_linears(m, memo) == 0 and compilation is None:
+        if use_gemv_linears(m, memo) == 0 and not compiled:
             pack_linears(m, memo)
-        elif compilation is None:  # verification / batched rows, prefill chunks: packed (AMX or oneDNN)
+        elif not compiled:  # verification / batched rows, prefill chunks: packed (AMX or oneDNN)
             use_packed_weights(m)
         use_cpu_layer_ops(m)  # norms, RoPE and SiLU products through the CPU kernels where they build
     runner = ModelRunner(

@@ -14,8 +14,14 @@ def test_smoke_run(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["summary"]["failures"] == []
     sections = {r["section"] for r in data["rows"]}
-    assert sections == {"ceiling", "check", "kernel", "engine"}
+    assert sections == {"ceiling", "check", "kernel", "engine", "llm", "profile"}
+    llm = {r["case"]: r for r in data["rows"] if r["section"] == "llm"}
+    # The engine's rows and the peer's (transformers, eager) all ran, and n-gram lookup found drafts in
+    # the repeated prompts (its tau above 1).
+    assert {"tiny plain b1 graphs=off", "tiny eagle b2 graphs=off", "transformers tiny eager b2"} <= set(llm)
+    assert all("error" not in r for r in llm.values())
+    assert llm["tiny ngram b1 graphs=off"]["tau"] > 1.0
     checks = [r for r in data["rows"] if r["section"] == "check"]
     assert len(checks) >= 10 and all(r["ok"] for r in checks)
     printed = capsys.readouterr().out
-    assert printed.rstrip().endswith("all checks passed") and "## engine" in printed
+    assert printed.rstrip().endswith("all checks passed") and "## engine" in printed and "## llm" in printed
