@@ -517,10 +517,10 @@ def save_random_eagle_head(target_dir: str, directory: str) -> str:
 def time_llm(report: Report, device: torch.device, smoke: bool, bw: float) -> None:
     """The whole engine (``specdec.LLM``: scheduling, drafting, verification, sampling) on a random
     SmolLM2-135M: plain decoding, n-gram and EAGLE chains of 4, 1 and 32 requests, CUDA graphs off and
-    on; greedy, ``ignore_eos``. Reports tokens per second, τ, target forwards per second and the
-    fraction of the copy bandwidth those forwards' weight bytes take; and whether the greedy tokens with
-    graphs equal those without (they may differ where bf16 products round differently at another row
-    count)."""
+    on (and, for plain decoding, graphs of the ``torch.compile``d forward); greedy, ``ignore_eos``.
+    Reports tokens per second, τ, target forwards per second and the fraction of the copy bandwidth
+    those forwards' weight bytes take; and whether the greedy tokens with graphs equal those without
+    (they may differ where bf16 products round differently at another row count)."""
     import tempfile
 
     from specdec import LLM, SamplingParams
@@ -543,14 +543,20 @@ def time_llm(report: Report, device: torch.device, smoke: bool, bw: float) -> No
         prompts = [{"prompt_token_ids": p} for p in llm_prompts(name, batch)]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for method, spec in specs.items():
-            tokens: dict[bool, list[list[int]]] = {}
-            for graphs in (False, True) if device.type == "cuda" else (False,):
-                case = f"{name} {method} b{batch} graphs={'on' if graphs else 'off'}"
+            tokens: dict[str, list[list[int]]] = {}
+            modes = ["graphs=off"]
+            if device.type == "cuda":
+                # torch.compile of the dense work (fused norms, RoPE, activations) inside the graphs:
+                # plain decoding only (each token bucket compiles once, tens of seconds).
+                modes += ["graphs=on"] + (["compile+graphs"] if method == "plain" else [])
+            for mode in modes:
+                case = f"{name} {method} b{batch} {mode}"
+                compile_arg = {"buckets": [1, 2, 4, 8, 16, 32, 64]} if mode == "compile+graphs" else False
                 try:
                     llm = LLM(
                         target, dtype=dtype, device=str(device), skip_tokenizer_init=True,
-                        speculative_config=spec, cuda_graphs=graphs, max_num_seqs=max(batch, 1),
-                        max_num_batched_tokens=max(512, batch * 64),
+                        speculative_config=spec, cuda_graphs=mode != "graphs=off", compile=compile_arg,
+                        max_num_seqs=max(batch, 1), max_num_batched_tokens=max(512, batch * 64),
                     )  # fmt: skip
                     llm.generate(prompts, params)  # warm-up: Triton compilations, graph captures
                     _sync(device)
@@ -566,8 +572,8 @@ def time_llm(report: Report, device: torch.device, smoke: bool, bw: float) -> No
                     report.add("llm", case, error=f"{type(e).__name__}: {e}"[:300])
                     continue
                 steps = engine.num_steps - steps0
-                tokens[graphs] = [list(o.outputs[0].token_ids) for o in outs]
-                n_tokens = sum(len(t) for t in tokens[graphs])
+                tokens[mode] = [list(o.outputs[0].token_ids) for o in outs]
+                n_tokens = sum(len(t) for t in tokens[mode])
                 stats = engine.spec_stats
                 tau = stats.mean_acceptance_length if stats is not None and stats.num_drafts else 1.0
                 graph_stats = engine.runner.cuda_graph_stats
@@ -583,12 +589,13 @@ def time_llm(report: Report, device: torch.device, smoke: bool, bw: float) -> No
                 del llm, engine
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            if len(tokens) == 2:
-                report.add(
-                    "llm",
-                    f"{name} {method} b{batch} greedy, graphs vs eager",
-                    equal=tokens[True] == tokens[False],
-                )
+            for mode in modes[1:]:
+                if mode in tokens and "graphs=off" in tokens:
+                    report.add(
+                        "llm",
+                        f"{name} {method} b{batch} greedy, {mode} vs eager",
+                        equal=tokens[mode] == tokens["graphs=off"],
+                    )
 
 
 def llm_prompts(name: str, batch: int) -> list[list[int]]:
