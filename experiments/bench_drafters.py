@@ -78,6 +78,21 @@ METHODS: dict[str, dict[str, Any] | None] = {
         "hybrid_members": ["eagle", "suffix", "ngram"],
         "draft_vocab": "{model}-eagle3",
     },
+    # The heads' weights and the LM-head rows they draft through quantized to int8 per channel (half the
+    # bytes a draft token reads).
+    "eagle-v8k-int8": {
+        "method": "eagle",
+        "num_speculative_tokens": 4,
+        "draft_vocab": "{model}-eagle3",
+        "quantization": "int8",
+    },
+    "eagle3-int8": {"method": "eagle3", "num_speculative_tokens": 4, "quantization": "int8"},
+    "medusa-v8k-int8": {
+        "method": "medusa",
+        "num_speculative_tokens": 4,
+        "draft_vocab": "{model}-eagle3",
+        "quantization": "int8",
+    },
     # The target's own weights quantized to int8 per channel as its drafter.
     "quantized-int8": {"method": "quantized_self", "num_speculative_tokens": 4, "quantization": "int8"},
 }

@@ -543,10 +543,12 @@ def choose_block_m(group: int, max_query_len: int | None) -> int:
 
 def choose_num_splits(num_programs: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
     """KV splits for a batch: more than one only for short queries over long contexts when the
-    (query block × KV head) programs would leave most of the GPU's ``num_sms`` idle."""
+    (query block × KV head) programs would leave most of the GPU's ``num_sms`` idle; a power of two (1,
+    2, 4, 8 or 16), so that a CUDA graph captured for one count serves contexts of many lengths."""
     if max_query_len > 8 or max_seq_len < 512 or num_programs >= num_sms:
         return 1
-    return int(max(1, min(16, cdiv(num_sms, num_programs), max_seq_len // 256)))
+    n = int(max(1, min(16, cdiv(num_sms, num_programs), max_seq_len // 256)))
+    return 1 << (n.bit_length() - 1)
 
 
 # ----------------------------------------------------------------------------------------- dispatch

@@ -76,6 +76,10 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 2, optional=True)
 
 
+#: The largest capture size of CUDA graphs (requests per step).
+MAX_CUDA_GRAPH_BATCH = 1024
+
+
 @dataclass
 class CompilationConfig:
     """``torch.compile`` of the target's (and a draft model's) forward, piecewise: everything but
@@ -123,6 +127,11 @@ class CompilationConfig:
             self.cuda_graph_batch_sizes = check_buckets(list(sizes))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"compile cuda_graph_batch_sizes: {e}") from None
+        if self.cuda_graph_batch_sizes[-1] > MAX_CUDA_GRAPH_BATCH:
+            raise ConfigError(
+                f"compile cuda_graph_batch_sizes must be at most {MAX_CUDA_GRAPH_BATCH} requests, got "
+                f"{self.cuda_graph_batch_sizes[-1]}"
+            )
         q = self.cuda_graph_max_query_len
         if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= 64:
             raise ConfigError(f"compile cuda_graph_max_query_len must be an int in [1, 64], got {q!r}")
@@ -229,10 +238,14 @@ class SpeculativeConfig:
             built-in heads (``<target zoo name>-<method>``). What it means for a drafter is its registry
             entry's ``model`` kind.
         draft_dtype: dtype of the draft model or heads; None: the target's.
-        quantization: "quantized_self" only: the drafter is the target's own weights quantized, ``"int4"``,
+        quantization: "quantized_self": the drafter is the target's own weights quantized, ``"int4"``,
             ``"int8"`` or a dict of :class:`~specdec.quantization.config.QuantizationConfig` fields (e.g.
             ``{"method": "int4", "group_size": 32}``); it shares the target's tokenizer and embedding, has
             its own KV, and the full-precision target verifies its drafts as any draft model's.
+            "eagle" / "eagle3" / "medusa": the head's linear layers and the LM-head rows it drafts through
+            (the target's, or ``draft_vocab``'s; a quantized copy, the target keeps its own) are
+            weight-only quantized, so a draft token reads about half the bytes (int8). Drafts are
+            verified as always: outputs stay exact.
         tree: None (a chain of k drafts), "static" (a Medusa tree from ``tree_choices``; medusa only) or
             "dynamic" (EAGLE-2's tree; eagle and eagle3): the values the drafter's entry lists in ``trees``.
         tree_choices: the static tree's index paths (None: :data:`DEFAULT_TREE_CHOICES`); paths deeper than
@@ -387,8 +400,8 @@ class SpeculativeConfig:
         return build_policy(self.policy, ctx, self.policy_kwargs)
 
     def quantization_config(self) -> QuantizationConfig | None:
-        """The quantized self-drafter's :class:`~specdec.quantization.config.QuantizationConfig` (None for
-        other methods)."""
+        """The :class:`~specdec.quantization.config.QuantizationConfig` of the quantized self-drafter or of
+        a head's weights (None: not quantized)."""
         from specdec.quantization.config import QuantizationConfig
 
         return QuantizationConfig.from_any(self.quantization)

@@ -17,6 +17,7 @@ from sampling.beam_search import BeamSearchParams
 from sampling.params import SamplingParams, suggest_keywords
 from specdec.beam_search import BeamSearchOutput
 from specdec.beam_search import beam_search as run_beam_search
+from specdec.compilation.cuda_graphs import check_cuda_graphs
 from specdec.config import (
     CacheConfig,
     CompilationConfig,
@@ -151,8 +152,8 @@ class LLM:
         if cuda_graphs:
             base = compilation or CompilationConfig(enabled=False)
             compilation = dataclasses.replace(base, cuda_graphs=True)
-        if compilation is not None and compilation.cuda_graphs and resolve_device(device).type != "cuda":
-            raise ConfigError(f"cuda_graphs needs a CUDA device, got device={device!r}")
+        if compilation is not None and compilation.cuda_graphs:
+            check_cuda_graphs(resolve_device(device), kv_cache_dtype)
         check_threads(cpu_threads)
         self.grammar_backend_name = check_grammar_backend(grammar_backend)
         cache_config = CacheConfig(

@@ -123,7 +123,16 @@ def test_bad_cuda_graph_settings_are_config_errors():
     ):
         with pytest.raises(ConfigError, match="cuda_graph"):
             CompilationConfig.from_any(bad)
+    with pytest.raises(ConfigError, match="at most 1024"):
+        CompilationConfig.from_any({"cuda_graphs": True, "cuda_graph_batch_sizes": [1, 4096]})
     assert CompilationConfig.from_any({"enabled": False, "cuda_graphs": True}) is not None
+    # Checked before any loading (LLM): a CUDA device whose attention backend would not be Triton.
+    from specdec.compilation.cuda_graphs import check_cuda_graphs
+
+    with pytest.raises(ConfigError, match="kv_cache_dtype='int8'"):
+        check_cuda_graphs(torch.device("cuda"), "int8")
+    with pytest.raises(ConfigError, match="CUDA device"):
+        check_cuda_graphs(torch.device("cpu"))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA device"):
             ModelRunner(tiny_model(), 8, BS, compilation=CompilationConfig(enabled=False, cuda_graphs=True))

@@ -85,8 +85,10 @@ def save_random_eagle3_head(target_dir, draft_vocab: list[int], out, seed: int =
     save_heads(head, cfg, out)
 
 
-def make_llm(setup, tree: bool) -> LLM:
+def make_llm(setup, tree: bool, quantization: str | None = None) -> LLM:
     spec = {"method": "eagle3", "model": str(setup["head"]), "num_speculative_tokens": K}
+    if quantization is not None:
+        spec["quantization"] = quantization
     if tree:
         spec.update(tree="dynamic", tree_topk=2, max_tree_nodes=4)
     n = BATCH + NUM_GREEDY
@@ -103,8 +105,14 @@ def make_llm(setup, tree: bool) -> LLM:
     )
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_eagle3_reduced_vocabulary_output_distribution_matches_target(setup, tree, monkeypatch):
+@pytest.mark.parametrize(
+    ("tree", "quantization"),
+    [(False, None), (True, None), (False, "int8")],
+    ids=["chain", "tree", "chain-int8"],
+)
+def test_eagle3_reduced_vocabulary_output_distribution_matches_target(setup, tree, quantization, monkeypatch):
+    """``chain-int8``: the head's weights quantized (``speculative_config["quantization"]``): sampled
+    drafts come from the quantized head's distribution, which is what they report."""
     import specdec.drafters.eagle3 as eagle3
 
     drafted: list[int] = []
@@ -118,9 +126,13 @@ def test_eagle3_reduced_vocabulary_output_distribution_matches_target(setup, tre
         return tokens, probs
 
     monkeypatch.setattr(eagle3, "draw_draft_tokens", recording)
-    llm = make_llm(setup, tree)
+    llm = make_llm(setup, tree, quantization)
+    if quantization is not None:
+        from specdec.quantization.linear import QuantizedLinear
+
+        assert isinstance(llm.engine.drafter.head.lm_head, QuantizedLinear)
     counts = sample_counts(llm, NUM_CALLS, seed_base=7 * 10**6, greedy_chain=setup["greedy"])
-    label = f"eagle3 {'tree' if tree else 'chain'}"
+    label = f"eagle3 {'tree' if tree else 'chain'}{'' if quantization is None else ' ' + quantization}"
     check_all(setup, counts, label)
     stats = llm.engine.spec_stats
     print(f"[spec] {label}: {stats.as_dict()}")

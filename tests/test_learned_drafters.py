@@ -192,6 +192,48 @@ def test_reduced_draft_vocabulary(perm_setup, name):
     assert llm.engine.spec_stats.num_drafts > 0 and llm.engine.spec_stats.num_accepted_tokens == 0
 
 
+@pytest.mark.parametrize(
+    ("name", "quantization", "reduced"),
+    [
+        ("eagle-chain", "int8", False),
+        ("eagle-tree", "int8", True),
+        ("medusa-chain", "int8", False),
+        ("medusa-tree", "int8", True),
+    ],
+)
+def test_quantized_heads(perm_setup, name, quantization, reduced):
+    """``quantization`` for a head: its linears and the LM-head rows it drafts through (the whole
+    vocabulary's, or ``draft_vocab``'s) are weight-only quantized; the copying heads' drafts stay right
+    (acceptance as unquantized) and the output is plain greedy decoding's."""
+    from specdec.quantization.linear import QuantizedLinear
+
+    prompts, max_tokens = _prompts(2, PERM_VOCAB), [21, 25]
+    base, _ = _run(perm_setup / "target", prompts, max_tokens)
+    spec = dict(SPECS[name], model=str(perm_setup / SPECS[name]["method"]), quantization=quantization)
+    if reduced:
+        spec["draft_vocab"] = sorted({t for out in base for t in out})
+    got, llm = _run(perm_setup / "target", prompts, max_tokens, spec)
+    assert got == base
+    k = spec["num_speculative_tokens"]
+    assert llm.engine.spec_stats.mean_acceptance_length > 0.8 * (k + 1)
+    drafter = llm.engine.drafter
+    heads = drafter.heads if name.startswith("medusa") else drafter.head
+    linears = [m for m in heads.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and not [m for m in heads.modules() if type(m) is torch.nn.Linear]
+    assert drafter.vocab is not None and drafter.vocab.quantized is not None
+    assert len(drafter.vocab) == (len(spec["draft_vocab"]) if reduced else PERM_VOCAB)
+    assert type(llm.engine.model.lm_head) is not QuantizedLinear  # the target keeps its own
+
+
+def test_a_head_quantization_that_does_not_fit_is_a_config_error(perm_setup):
+    spec = dict(SPECS["eagle-chain"], model=str(perm_setup / "eagle"))
+    spec["quantization"] = {"method": "int4", "group_size": 32}  # the head's MLP input is 48 wide
+    with pytest.raises(ConfigError, match="int4 group_size 32 does not divide the input size 48"):
+        _run(perm_setup / "target", [[3, 4, 5]], [4], spec)
+    with pytest.raises(ConfigError, match="applies to method"):
+        _run(perm_setup / "target", [[3, 4, 5]], [4], {"method": "ngram", "quantization": "int8"})
+
+
 def test_draft_vocab_errors(random_setup, perm_setup):
     from specdec.config import SpeculativeConfig
 

@@ -133,6 +133,54 @@ class CompiledDecoder:
     def _arange(n: int, device: torch.device) -> torch.Tensor:
         return torch.arange(n, device=device)
 
+    def _run_bucket(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+        n: int,
+        bucket: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The compiled graph over the batch padded to ``bucket`` rows: final-norm hidden states
+        ``[bucket, H]`` and the feature streams (None when unset), padding rows included."""
+        # Fresh buffers, padded or not, so every call hands dynamo tensors of one kind (created here, in
+        # the caller's inference mode); padding rows are token 0 at position 0.
+        input_ids = input_ids.new_zeros(bucket).index_copy_(0, self._arange(n, input_ids.device), input_ids)
+        positions = positions.new_zeros(bucket).index_copy_(0, self._arange(n, positions.device), positions)
+        first = bucket not in self.stats.compile_time_s
+        t0 = time.perf_counter()
+        with forward_context(ForwardContext(metadata, attention, kv_caches, n)):
+            hidden, aux = self._compiled(input_ids, positions)
+        if first:
+            self.stats.compile_time_s[bucket] = time.perf_counter() - t0
+            self.stats.compiled_buckets.append(bucket)
+            logger.info("compiled the %d-token bucket in %.1f s", bucket, self.stats.compile_time_s[bucket])
+        self.stats.compiled_calls += 1
+        return hidden, aux
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """As :meth:`DecoderLM.logits` (eager)."""
+        return self.model.logits(rows)
+
+    def normed_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As :meth:`DecoderLM.normed_hidden`, through the compiled graph where the batch fits a bucket."""
+        n = input_ids.shape[0]
+        bucket = pick_bucket(n, self.buckets)
+        if bucket is None or torch.is_grad_enabled():
+            self.stats.eager_calls += 1
+            return self.model.normed_hidden(input_ids, positions, kv_caches, metadata, attention)
+        hidden, aux = self._run_bucket(input_ids, positions, kv_caches, metadata, attention, n, bucket)
+        return hidden[:n], (None if aux is None else aux[:n])
+
     def __call__(
         self,
         input_ids: torch.Tensor,
@@ -151,19 +199,7 @@ class CompiledDecoder:
             return self.model(
                 input_ids, positions, list(kv_caches), metadata, attention, logits_indices, all_hidden
             )
-        # Fresh buffers, padded or not, so every call hands dynamo tensors of one kind (created here, in
-        # the caller's inference mode); padding rows are token 0 at position 0.
-        input_ids = input_ids.new_zeros(bucket).index_copy_(0, self._arange(n, input_ids.device), input_ids)
-        positions = positions.new_zeros(bucket).index_copy_(0, self._arange(n, positions.device), positions)
-        first = bucket not in self.stats.compile_time_s
-        t0 = time.perf_counter()
-        with forward_context(ForwardContext(metadata, attention, kv_caches, n)):
-            hidden, aux = self._compiled(input_ids, positions)
-        if first:
-            self.stats.compile_time_s[bucket] = time.perf_counter() - t0
-            self.stats.compiled_buckets.append(bucket)
-            logger.info("compiled the %d-token bucket in %.1f s", bucket, self.stats.compile_time_s[bucket])
-        self.stats.compiled_calls += 1
+        hidden, aux = self._run_bucket(input_ids, positions, kv_caches, metadata, attention, n, bucket)
         # The LM head runs outside the graph, on the rows whose logits are wanted only (a padded prefill
         # bucket would otherwise multiply every padding row by the whole vocabulary).
         hidden = hidden[:n]

@@ -4,8 +4,8 @@ An eager SmolLM2 step launches about 15 kernels per layer from Python, so on a G
 overhead, not by the bytes of the weights. A captured graph replays all of them in one launch. This is
 vLLM's and nano-vllm's decode graphs, extended to verification: a step qualifies when every request
 brings between 1 and ``max_query_len`` new tokens (a decode token, or a chain of k drafts after its last
-committed token) and no tree attention mask. Prefill chunks, token trees and wider batches run the
-eager forward.
+committed token, or a prefill chunk that short) and no tree attention mask. Longer prefill chunks, token
+trees and wider batches run the eager forward.
 
 Padding. A qualifying batch of B requests with query lengths ``q_b`` is laid out on a fixed grid of
 ``Bp × Qp`` rows, request-major: ``Bp`` is the smallest capture size ``>= B`` (``batch_sizes``), ``Qp``
@@ -17,9 +17,12 @@ Qp``) and every real row's causal limit stay what they were: padding rows come a
 no real row sees them. Padding requests attend to ``Qp`` slots of block 0 (read, never written).
 
 Static buffers (allocated once, outside the graphs' memory pool) hold the inputs and attention metadata
-of the largest grid; each graph reads views of them. A replay first copies the step's inputs into the
-buffers (a handful of small kernels), then replays, then gathers the wanted rows of the graph's outputs
-(a copy: the next replay overwrites the outputs). Graphs are captured on first use of a shape, lazily,
+of the largest grid; each graph reads views of them. A graph holds the layers and the final norm
+(:meth:`DecoderLM.normed_hidden`); the LM head runs after the replay, eagerly, on the rows whose logits
+are wanted only (as in :mod:`specdec.compilation.compiled_model`), so no graph keeps a ``[rows,
+vocab]`` output and padding rows cost no vocabulary product. A replay first copies the step's inputs into
+the buffers (a handful of small kernels), then replays, then gathers the wanted rows of the graph's
+outputs (a copy: the next replay overwrites them). Graphs are captured on first use of a shape, lazily,
 and share one memory pool (their outputs are copied out before the next replay, so no two are live at
 once).
 
@@ -38,6 +41,7 @@ against the eager forward.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -47,6 +51,7 @@ from typing import Any
 import torch
 
 from specdec.attention.base import AttentionBackend, AttentionMetadata
+from specdec.errors import ConfigError
 
 logger = logging.getLogger("specdec.compilation")
 
@@ -61,7 +66,7 @@ class CudaGraphStats:
     """Graphs captured and forwards run each way.
 
     Attributes:
-        captured: the key of each graph, in order of capture (``(Bp, Qp, all_hidden, backend key)``).
+        captured: the key of each graph, in order of capture (``(Bp, Qp, backend key)``).
         capture_time_s: total wall time of the captures (warm-up forwards included).
         graph_calls, eager_calls: forwards replayed from a graph, and forwards that did not qualify.
     """
@@ -76,16 +81,17 @@ class CudaGraphStats:
 class _Graph:
     graph: torch.cuda.CUDAGraph | None
     metadata: AttentionMetadata
-    logits: torch.Tensor | None = None  # [Bp * Qp, V] float32, the graph's output
-    hidden: torch.Tensor | None = None  # [Bp * Qp, F]
+    hidden: torch.Tensor | None = None  # [Bp * Qp, H] final-norm hidden states, the graph's output
+    aux: torch.Tensor | None = None  # [Bp * Qp, F] feature-layer streams (EAGLE-3), or None
 
 
 class CudaGraphRunner:
     """Replays captured graphs of ``forward`` for the steps that qualify (see the module docstring).
 
     Args:
-        forward: the eager forward (:class:`~specdec.models.decoder.DecoderLM` or a compiled one), called
-            as :meth:`DecoderLM.forward`.
+        forward: the forward (:class:`~specdec.models.decoder.DecoderLM` or
+            :class:`~specdec.compilation.compiled_model.CompiledDecoder`): its ``normed_hidden`` is
+            captured, its ``logits`` runs after each replay.
         kv_caches: the runner's per-layer ``(k_cache, v_cache)``.
         attention: the attention backend (must define ``cuda_graph_key``).
         num_heads, num_kv_heads: the model's attention heads (for the backend's key).
@@ -174,24 +180,25 @@ class CudaGraphRunner:
             self.stats.eager_calls += 1
             return None
         bp, qp = grid
-        real_rows, seq_lens_host = self._fill(input_ids, positions, metadata, bp, qp)
-        meta = self._metadata(bp, qp, seq_lens_host)
-        key = (bp, qp, all_hidden, self._backend_key(meta))
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._graphs[key] = self._capture(bp, qp, all_hidden, meta)
-            self.stats.captured.append(key)
-        if entry.graph is not None:
-            entry.graph.replay()
-            logits_all, hidden_all = entry.logits, entry.hidden
-        else:  # capture=False: the padded forward, eagerly
-            logits_all, hidden_all = self._forward(bp, qp, all_hidden, meta)
-        assert logits_all is not None and hidden_all is not None
-        self.stats.graph_calls += 1
-        rows = real_rows[logits_indices]  # [R] rows of the grid
-        logits = logits_all.index_select(0, rows)
-        hidden = hidden_all.index_select(0, real_rows if all_hidden else rows)
-        return logits, hidden
+        with torch.cuda.device(self.device) if self.capture else _nothing():
+            real_rows, seq_lens_host = self._fill(input_ids, positions, metadata, bp, qp)
+            meta = self._metadata(bp, qp, seq_lens_host)
+            key = (bp, qp, self._backend_key(meta))
+            entry = self._graphs.get(key)
+            if entry is None:
+                entry = self._graphs[key] = self._capture(bp, qp, meta)
+                self.stats.captured.append(key)
+            if entry.graph is not None:
+                entry.graph.replay()
+                hidden_all, aux_all = entry.hidden, entry.aux
+            else:  # capture=False: the padded forward, eagerly
+                hidden_all, aux_all = self._forward(bp, qp, meta)
+            assert hidden_all is not None
+            self.stats.graph_calls += 1
+            rows = real_rows[logits_indices]  # [R] rows of the grid
+            logits = self.forward.logits(hidden_all.index_select(0, rows))
+            features = hidden_all if aux_all is None else aux_all
+            return logits, features.index_select(0, real_rows if all_hidden else rows)
 
     # ----------------------------------------------------------------------------------------- helpers
     def _backend_key(self, metadata: AttentionMetadata) -> Hashable:
@@ -241,20 +248,14 @@ class CudaGraphRunner:
         )
 
     def _forward(
-        self, bp: int, qp: int, all_hidden: bool, metadata: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, bp: int, qp: int, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tp = bp * qp
-        return self.forward(
-            self.input_ids[:tp],
-            self.positions[:tp],
-            self.kv_caches,
-            metadata,
-            self.attention,
-            None,
-            all_hidden,
+        return self.forward.normed_hidden(
+            self.input_ids[:tp], self.positions[:tp], self.kv_caches, metadata, self.attention
         )
 
-    def _capture(self, bp: int, qp: int, all_hidden: bool, metadata: AttentionMetadata) -> _Graph:
+    def _capture(self, bp: int, qp: int, metadata: AttentionMetadata) -> _Graph:
         """Warm up (Triton's compilations, the allocator) on a side stream, then capture one forward. The
         warm-up forwards write the step's own K/V at its own slots, as the replay will again."""
         if not self.capture:
@@ -264,16 +265,16 @@ class CudaGraphRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(bp, qp, all_hidden, self._fresh(metadata))
+                self._forward(bp, qp, self._fresh(metadata))
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, hidden = self._forward(bp, qp, all_hidden, metadata)
+            hidden, aux = self._forward(bp, qp, metadata)
         torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         self.stats.capture_time_s += dt
         logger.info("captured a CUDA graph of %d requests × %d tokens in %.2f s", bp, qp, dt)
-        return _Graph(graph, metadata, logits, hidden)
+        return _Graph(graph, metadata, hidden, aux)
 
     @staticmethod
     def _fresh(metadata: AttentionMetadata) -> AttentionMetadata:
@@ -284,6 +285,30 @@ class CudaGraphRunner:
         )  # fmt: skip
 
 
+def _nothing() -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
 def supports_cuda_graphs(attention: AttentionBackend) -> bool:
     """Whether ``attention`` can run in CUDA graphs (it defines ``cuda_graph_key``)."""
     return hasattr(attention, "cuda_graph_key")
+
+
+def check_cuda_graphs(device: torch.device, kv_cache_dtype: str = "auto") -> None:
+    """Fail before any loading where CUDA graphs cannot run.
+
+    Raises:
+        ConfigError: ``device`` is not CUDA, or the attention backend there would not be Triton (an int8
+            KV cache, ``SPECDEC_FORCE_REFERENCE=1``, Triton missing).
+    """
+    from kernels._triton import force_reference, triton_available
+
+    if device.type != "cuda":
+        raise ConfigError(f"cuda_graphs needs a CUDA device, got {device}")
+    if kv_cache_dtype == "int8" or force_reference() or not triton_available():
+        why = (
+            "kv_cache_dtype='int8'"
+            if kv_cache_dtype == "int8"
+            else ("SPECDEC_FORCE_REFERENCE=1" if force_reference() else "Triton is not installed")
+        )
+        raise ConfigError(f"cuda_graphs needs the Triton attention backend, which {why} rules out")

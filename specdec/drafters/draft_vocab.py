@@ -16,6 +16,8 @@ from kernels import cpu_gemv
 from kernels.cpu_gemv import gemv
 from specdec.errors import ConfigError
 from specdec.models.decoder import softcap
+from specdec.quantization.config import QuantizationConfig
+from specdec.quantization.linear import QuantizedLinear
 
 
 def draft_vocab_ids(
@@ -52,22 +54,40 @@ class DraftVocab:
         draft_vocab: see :func:`draft_vocab_ids`.
         target: the target :class:`~specdec.models.decoder.DecoderLM` (its ``lm_head.weight`` ``[V, H]``).
         dtype: the drafter's dtype (for loading an EAGLE-3 head's maps).
+        quantization: weight-only quantization of the rows (``speculative_config["quantization"]``: int8
+            halves the bytes a draft token reads); None: the LM head's own dtype.
 
     Attributes:
         ids: ``[V']`` int64 target ids, ascending.
-        weight: ``[V', H]`` the LM head's rows of those ids (a copy, made once).
+        weight: ``[V', H]`` the LM head's rows of those ids (a copy, made once); ``[0, H]`` when quantized.
+        quantized: the rows as a :class:`~specdec.quantization.linear.QuantizedLinear`, or None.
 
     Raises:
         ConfigError: see :func:`draft_vocab_ids`.
     """
 
-    def __init__(self, draft_vocab: list[int] | str, target: torch.nn.Module, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        draft_vocab: list[int] | str,
+        target: torch.nn.Module,
+        dtype: torch.dtype,
+        quantization: QuantizationConfig | None = None,
+    ) -> None:
         self.ids = draft_vocab_ids(draft_vocab, target, dtype)
         weight = target.lm_head.weight.detach()
         self.weight = weight[self.ids.to(weight.device)]
         self.softcap = target.cfg.final_logit_softcapping  # Gemma 2: the target's logits are capped
         # decided once: cpu_gemv.gemv would ask whether the kernel is built at every call (~30 µs)
         self.use_kernel = self.weight.device.type == "cpu" and cpu_gemv.available()
+        #: The rows quantized (``quantization``), or None: full precision.
+        self.quantized: QuantizedLinear | None = None
+        self.dtype = self.weight.dtype
+        if quantization is not None:
+            self.quantized = QuantizedLinear.from_weight(
+                self.weight, None, quantization.method, quantization.resolved_group_size, self.dtype,
+                self.weight.device, quantization.kernel, quantization.zero_point,
+            )  # fmt: skip
+            self.weight = self.weight[:0]  # the dense copy is not kept (the whole vocabulary's: 56 MB)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -75,7 +95,10 @@ class DraftVocab:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[..., V']`` float32 of final-norm hidden states ``[..., H]``: the target's
         logits of those ids (soft-capped like the target's where it caps them)."""
-        out = gemv(hidden.to(self.weight.dtype), self.weight, use_kernel=self.use_kernel).float()
+        if self.quantized is not None:
+            out = self.quantized(hidden.to(self.dtype)).float()
+        else:
+            out = gemv(hidden.to(self.weight.dtype), self.weight, use_kernel=self.use_kernel).float()
         return out if self.softcap is None else softcap(out, self.softcap)
 
     def to_target(self, indices: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from specdec.drafters.registry import register_drafter
 from specdec.drafters.tree import select_top_nodes
 from specdec.errors import ConfigError
 from specdec.model_runner import Segment, build_inputs, select_attention_backend
+from specdec.quantization.apply import quantize_linears
 from specdec.request import Request
 
 
@@ -99,7 +100,10 @@ class _DenseTreeAttention:
 
 
 @register_drafter(
-    "eagle", model="heads", trees=(None, "dynamic"), fields=("tree_topk", "max_tree_nodes", "draft_vocab")
+    "eagle",
+    model="heads",
+    trees=(None, "dynamic"),
+    fields=("tree_topk", "max_tree_nodes", "draft_vocab", "quantization"),
 )
 class EagleDrafter(DrafterBase):
     """EAGLE (Li et al. 2024): one decoder layer in the target's feature space; chain or EAGLE-2 tree.
@@ -120,8 +124,10 @@ class EagleDrafter(DrafterBase):
     """
 
     uses_hidden_states = True
-    #: The reduced draft vocabulary (``draft_vocab``), None for the whole one.
+    #: The reduced draft vocabulary (``draft_vocab``, or the whole one quantized), None for the target's.
     vocab: DraftVocab | None = None
+    #: Draft logits come from the target's LM head (EAGLE-3's head has its own).
+    drafts_through_target_lm_head = True
 
     def __init__(self, ctx: DrafterContext, head: EagleHead | None = None) -> None:
         target, config = ctx.target, ctx.config
@@ -129,9 +135,16 @@ class EagleDrafter(DrafterBase):
             assert ctx.model_dir is not None, "the registry resolves the head's directory"
             head = self._load_head(ctx)
         vocab = self._draft_vocab_size(head, target.cfg.vocab_size)
+        quantization = config.quantization_config()
+        if quantization is not None:  # the head's linears, and below the LM-head rows it drafts through
+            quantize_linears(head, quantization, next(head.parameters()).dtype)
+        rows_quantization = quantization if quantization is not None and quantization.lm_head else None
         if getattr(config, "draft_vocab", None) is not None:
-            self.vocab = DraftVocab(config.draft_vocab, target, ctx.dtype)
+            self.vocab = DraftVocab(config.draft_vocab, target, ctx.dtype, rows_quantization)
             vocab = len(self.vocab)
+        elif rows_quantization is not None and self.drafts_through_target_lm_head:
+            # A quantized copy of the whole LM head (the target keeps its own).
+            self.vocab = DraftVocab(list(range(target.cfg.vocab_size)), target, ctx.dtype, rows_quantization)
         if config.tree == "dynamic" and config.tree_topk > vocab:
             raise ConfigError(f"tree_topk={config.tree_topk} exceeds the draft vocabulary ({vocab} tokens)")
         self.target = target

@@ -31,7 +31,9 @@ from specdec.drafters.eagle3_head import Eagle3Head
 from specdec.drafters.registry import register_drafter
 
 
-@register_drafter("eagle3", model="heads", trees=(None, "dynamic"), fields=("tree_topk", "max_tree_nodes"))
+@register_drafter(
+    "eagle3", model="heads", trees=(None, "dynamic"), fields=("tree_topk", "max_tree_nodes", "quantization")
+)
 class Eagle3Drafter(EagleDrafter):
     """EAGLE-3 (Li et al. 2025): fused low/middle/high target features, one decoder layer, a reduced
     draft vocabulary; chain or EAGLE-2 tree.
@@ -48,6 +50,7 @@ class Eagle3Drafter(EagleDrafter):
     """
 
     head: Eagle3Head
+    drafts_through_target_lm_head = False
 
     def __init__(self, ctx: DrafterContext, head: Eagle3Head | None = None) -> None:
         super().__init__(ctx, head)

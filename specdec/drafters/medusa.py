@@ -21,6 +21,7 @@ from specdec.drafters.heads import MedusaHeads, load_heads
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.tree import StaticTree
 from specdec.errors import ConfigError
+from specdec.quantization.apply import quantize_linears
 from specdec.request import Request
 
 
@@ -58,7 +59,7 @@ def check_medusa_config(config: SpeculativeConfig) -> None:
     "medusa",
     model="heads",
     trees=(None, "static"),
-    fields=("tree_choices", "draft_vocab"),
+    fields=("tree_choices", "draft_vocab", "quantization"),
     check_config=check_medusa_config,
 )
 class MedusaDrafter(DrafterBase):
@@ -94,8 +95,16 @@ class MedusaDrafter(DrafterBase):
         self.heads = heads
         self.config = config
         self.tree = StaticTree.from_choices(config.static_tree_choices()) if config.tree == "static" else None
+        quantization = config.quantization_config()
+        if quantization is not None:  # the heads' linears and the LM-head rows they draft through
+            quantize_linears(heads, quantization, next(heads.parameters()).dtype)
+        rows = quantization if quantization is not None and quantization.lm_head else None
         self.vocab = (
-            DraftVocab(config.draft_vocab, target, ctx.dtype) if config.draft_vocab is not None else None
+            DraftVocab(config.draft_vocab, target, ctx.dtype, rows)
+            if config.draft_vocab is not None
+            else DraftVocab(list(range(target.cfg.vocab_size)), target, ctx.dtype, rows)
+            if rows is not None
+            else None
         )
         vocab_size = target.cfg.vocab_size if self.vocab is None else len(self.vocab)
         if self.tree is not None and self.tree.max_rank >= vocab_size:

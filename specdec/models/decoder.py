@@ -317,6 +317,21 @@ class DecoderLM(nn.Module):
         hidden, aux = self.layer_stack(input_ids, positions, kv_caches, metadata, attention)
         return self.final(hidden, logits_indices, all_hidden, aux)
 
+    def normed_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` without the LM head: the final-norm hidden states of every row ``[T,
+        hidden_size]`` and the :attr:`feature_layers` streams ``[T, F]`` (None when unset). The logits of
+        rows ``idx`` are then ``logits(normed[idx])`` (what the CUDA graphs of
+        :mod:`specdec.compilation.cuda_graphs` capture)."""
+        hidden, aux = self.layer_stack(input_ids, positions, kv_caches, metadata, attention)
+        return self.norm(hidden), aux
+
     def layer_stack(
         self,
         input_ids: torch.Tensor,

@@ -18,6 +18,7 @@ import copy
 import torch
 from torch import nn
 
+from specdec.errors import ConfigError
 from specdec.models.decoder import DecoderLM
 from specdec.quantization.config import QuantizationConfig
 from specdec.quantization.linear import QuantizedLinear
@@ -99,6 +100,30 @@ def quantize_model(
     if config.lm_head:
         model.lm_head = _quantized(model.lm_head, config, dtype, device)  # type: ignore[assignment]
     return model
+
+
+def quantize_linears(module: nn.Module, config: QuantizationConfig, dtype: torch.dtype) -> int:
+    """Swap every ``nn.Linear`` inside ``module`` (a drafter's head: EAGLE, EAGLE-3, Medusa) for a
+    :class:`QuantizedLinear` of ``config``'s scheme, in place, on the layer's own device (a layer named
+    ``lm_head`` only with ``config.lm_head``). Returns the number swapped.
+
+    Raises:
+        ConfigError: the int4 group size does not divide a layer's input size.
+    """
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in module.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear and (config.lm_head or name != "lm_head"):
+                k, gs = child.in_features, config.resolved_group_size
+                if gs is not None and k % gs:
+                    raise ConfigError(
+                        f"int4 group_size {gs} does not divide the input size {k} of the head's layer "
+                        f"{name!r}"
+                    )
+                swaps.append((parent, name, _quantized(child, config, dtype, child.weight.device)))
+    for parent, name, layer in swaps:
+        setattr(parent, name, layer)
+    return len(swaps)
 
 
 def quantized_copy(
