@@ -292,6 +292,8 @@ class HeadDrafterConfig(DrafterConfig):
             None: the default tree of the heads.
         tree_topk: children per expanded node of a dynamic tree.
         max_tree_nodes: most draft tokens in a tree.
+        quantization: ``int8`` or ``int4``: the head's linears and the LM-head rows it drafts through,
+            weight-only quantized (None: the head's dtype).
     """
 
     method: str = MISSING
@@ -301,10 +303,11 @@ class HeadDrafterConfig(DrafterConfig):
     tree_choices: list[list[int]] | None = None
     tree_topk: int = 4
     max_tree_nodes: int = 16
+    quantization: str | None = None
 
     def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "medusa" | "eagle", ...}`` for ``specdec.LLM``."""
-        return {
+        spec: dict[str, Any] = {
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
             "model": self.model,
@@ -313,6 +316,9 @@ class HeadDrafterConfig(DrafterConfig):
             "tree_topk": self.tree_topk,
             "max_tree_nodes": self.max_tree_nodes,
         }
+        if self.quantization is not None:
+            spec["quantization"] = self.quantization
+        return spec
 
 
 def draft_vocab_value(vocab: Any) -> str | list[int]:

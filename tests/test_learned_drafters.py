@@ -400,3 +400,18 @@ def test_tree_and_head_config_errors(random_setup, tmp_path):
         (d / "model.safetensors").write_bytes((random_setup / "eagle" / "model.safetensors").read_bytes())
         with pytest.raises(CorruptModelError):
             load_heads(str(d), arch, "eagle", torch.float32)
+
+
+def test_hydra_drafter_group_passes_head_quantization():
+    from hydra import compose, initialize_config_module
+
+    from experiments.config import register_configs, to_experiment_config
+
+    register_configs()
+    with initialize_config_module("experiments.conf", version_base=None):
+        cfg = to_experiment_config(
+            compose("config", overrides=["drafter=eagle3", "drafter.quantization=int8"])
+        )
+        assert cfg.drafter.speculative_config()["quantization"] == "int8"
+        cfg = to_experiment_config(compose("config", overrides=["drafter=medusa"]))
+        assert "quantization" not in cfg.drafter.speculative_config()
