@@ -254,3 +254,20 @@ def test_amx_rows_are_batch_invariant(packing):
     alone = torch.cat([cpu_gemv.linear_packed(x[i : i + 1], w, packed, b) for i in range(40)])
     for m in (2, 5, 16, 17, 40):
         assert torch.equal(cpu_gemv.linear_packed(x[:m], w, packed, b), alone[:m])
+
+
+def test_the_extension_loads_once_per_process(monkeypatch):
+    """Every kernel call asks for the extension (``enabled`` / ``require_extension``): it must come from a
+    cache, not from ``torch.utils.cpp_extension.load`` again (which re-imports the module, ~0.26 ms a call:
+    a lost ``functools.cache`` once doubled EAGLE-3's draft step)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from kernels import cpu_ext
+
+    first = cpu_ext.load_extension()
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: calls.append(a))
+    for _ in range(3):
+        assert cpu_ext.load_extension() is first
+        cpu_ext.enabled("SPECDEC_CPU_GEMV")
+    assert calls == []
