@@ -825,6 +825,7 @@ def method_speculative_config(
 ) -> dict[str, Any]:
     """``specdec.LLM``'s ``speculative_config`` of a registered drafter, from settings shared by every
     method (``experiments.bench``, ``experiments.concurrency``): k; the n-gram window, ``quantization``
+    (the quantized self-drafter's scheme: not passed to learned heads, whose quantization is optional)
     and the draft model each only for a drafter that reads it (its registry entry says); then
     ``options``, any other ``SpeculativeConfig`` fields (``tree``, ``model``...), set last."""
     from specdec.drafters.registry import get_drafter
@@ -835,7 +836,9 @@ def method_speculative_config(
         spec["prompt_lookup_max"] = prompt_lookup_max
     if "prompt_lookup_min" in entry.fields:
         spec["prompt_lookup_min"] = prompt_lookup_min
-    if "quantization" in entry.fields and quantization is not None:
+    # The shared scheme is the quantized self-drafter's; a learned head's own ``quantization`` (optional)
+    # comes through ``options``.
+    if "quantization" in entry.fields and quantization is not None and entry.model != "heads":
         spec["quantization"] = quantization
     if entry.model == "model":
         spec["model"] = draft_model

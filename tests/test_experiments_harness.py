@@ -68,6 +68,9 @@ def test_defaults_are_the_old_argparse_defaults():
         "eagle-v8k",
         "eagle-v8k-tree",
         "hybrid-eagle",
+        "eagle-v8k-int8",
+        "eagle3-int8",
+        "medusa-v8k-int8",
         "quantized-int8",
     ]
     assert drafters.specbench_path == "../shared/specbench/question.jsonl"
