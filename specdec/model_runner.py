@@ -295,15 +295,9 @@ class ModelRunner:
             self.cuda_graphs = self._graph_runner(compilation, num_blocks)
 
     def _graph_runner(self, compilation: CompilationConfig, num_blocks: int) -> CudaGraphRunner:
-        from specdec.compilation.cuda_graphs import CudaGraphRunner, supports_cuda_graphs
+        """Raises ConfigError (from :class:`CudaGraphRunner`): no CUDA, or a backend other than Triton."""
+        from specdec.compilation.cuda_graphs import CudaGraphRunner
 
-        if self.device.type != "cuda":
-            raise ConfigError(f"cuda_graphs needs a model on a CUDA device; this one is on {self.device}")
-        if not supports_cuda_graphs(self.attention):
-            raise ConfigError(
-                f"cuda_graphs needs the Triton attention backend, not {type(self.attention).__name__} "
-                "(an int8 KV cache or SPECDEC_FORCE_REFERENCE=1 selects the reference)"
-            )
         cfg = self.model.cfg
         return CudaGraphRunner(
             self.forward, self.kv_caches, self.attention, cfg.num_heads, cfg.num_kv_heads, num_blocks,

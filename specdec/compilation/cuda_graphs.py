@@ -79,8 +79,7 @@ class CudaGraphStats:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph | None
-    metadata: AttentionMetadata
+    graph: torch.cuda.CUDAGraph | None  # None: capture=False
     hidden: torch.Tensor | None = None  # [Bp * Qp, H] final-norm hidden states, the graph's output
     aux: torch.Tensor | None = None  # [Bp * Qp, F] feature-layer streams (EAGLE-3), or None
 
@@ -102,7 +101,7 @@ class CudaGraphRunner:
             buffers, which tests the padding on any device.
 
     Raises:
-        ValueError: capture asked for on a device that is not CUDA, or a backend without
+        ConfigError: capture asked for on a device that is not CUDA, or a backend without
             ``cuda_graph_key``.
     """
 
@@ -120,9 +119,12 @@ class CudaGraphRunner:
     ) -> None:
         device = kv_caches[0][0].device
         if capture and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {device}")
+            raise ConfigError(f"cuda_graphs needs a CUDA device; the KV cache is on {device}")
         if capture and not supports_cuda_graphs(attention):
-            raise ValueError(f"attention backend {type(attention).__name__} cannot run in CUDA graphs")
+            raise ConfigError(
+                f"cuda_graphs needs the Triton attention backend, not {type(attention).__name__} "
+                "(an int8 KV cache or SPECDEC_FORCE_REFERENCE=1 selects the reference)"
+            )
         self.forward = forward
         self.kv_caches = list(kv_caches)
         self.attention = attention
@@ -180,7 +182,7 @@ class CudaGraphRunner:
             self.stats.eager_calls += 1
             return None
         bp, qp = grid
-        with torch.cuda.device(self.device) if self.capture else _nothing():
+        with torch.cuda.device(self.device) if self.capture else contextlib.nullcontext():
             real_rows, seq_lens_host = self._fill(input_ids, positions, metadata, bp, qp)
             meta = self._metadata(bp, qp, seq_lens_host)
             key = (bp, qp, self._backend_key(meta))
@@ -259,7 +261,7 @@ class CudaGraphRunner:
         """Warm up (Triton's compilations, the allocator) on a side stream, then capture one forward. The
         warm-up forwards write the step's own K/V at its own slots, as the replay will again."""
         if not self.capture:
-            return _Graph(None, metadata)
+            return _Graph(None)
         t0 = time.perf_counter()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -274,7 +276,7 @@ class CudaGraphRunner:
         dt = time.perf_counter() - t0
         self.stats.capture_time_s += dt
         logger.info("captured a CUDA graph of %d requests × %d tokens in %.2f s", bp, qp, dt)
-        return _Graph(graph, metadata, hidden, aux)
+        return _Graph(graph, hidden, aux)
 
     @staticmethod
     def _fresh(metadata: AttentionMetadata) -> AttentionMetadata:
@@ -283,10 +285,6 @@ class CudaGraphRunner:
             metadata.query_start_loc, metadata.seq_lens, metadata.slot_mapping, metadata.block_table,
             metadata.query_lens, metadata.seq_lens_host,
         )  # fmt: skip
-
-
-def _nothing() -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
 
 
 def supports_cuda_graphs(attention: AttentionBackend) -> bool:

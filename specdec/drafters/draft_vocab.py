@@ -104,3 +104,24 @@ class DraftVocab:
     def to_target(self, indices: torch.Tensor) -> torch.Tensor:
         """Target ids of indices into :meth:`logits`' last dimension (any shape)."""
         return self.ids.to(indices.device)[indices]
+
+
+def drafting_vocab(
+    draft_vocab: list[int] | str | None,
+    target: torch.nn.Module,
+    dtype: torch.dtype,
+    quantization: QuantizationConfig | None,
+) -> DraftVocab | None:
+    """The LM-head rows a head drafts through (EAGLE-2, Medusa): ``draft_vocab``'s, or, when the head is
+    quantized with its LM head (``quantization.lm_head``), a quantized copy of the whole vocabulary's;
+    None: the target's own LM head.
+
+    Raises:
+        ConfigError: see :func:`draft_vocab_ids`.
+    """
+    rows = quantization if quantization is not None and quantization.lm_head else None
+    if draft_vocab is not None:
+        return DraftVocab(draft_vocab, target, dtype, rows)
+    if rows is not None:
+        return DraftVocab(list(range(target.cfg.vocab_size)), target, dtype, rows)
+    return None

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from sampling.sampler import argmax_rows
 from specdec.attention.base import AttentionMetadata
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
-from specdec.drafters.draft_vocab import DraftVocab
+from specdec.drafters.draft_vocab import DraftVocab, drafting_vocab
 from specdec.drafters.heads import EagleHead, load_heads
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.tree import select_top_nodes
@@ -138,13 +138,10 @@ class EagleDrafter(DrafterBase):
         quantization = config.quantization_config()
         if quantization is not None:  # the head's linears, and below the LM-head rows it drafts through
             quantize_linears(head, quantization, next(head.parameters()).dtype)
-        rows_quantization = quantization if quantization is not None and quantization.lm_head else None
-        if getattr(config, "draft_vocab", None) is not None:
-            self.vocab = DraftVocab(config.draft_vocab, target, ctx.dtype, rows_quantization)
-            vocab = len(self.vocab)
-        elif rows_quantization is not None and self.drafts_through_target_lm_head:
-            # A quantized copy of the whole LM head (the target keeps its own).
-            self.vocab = DraftVocab(list(range(target.cfg.vocab_size)), target, ctx.dtype, rows_quantization)
+        if self.drafts_through_target_lm_head:
+            self.vocab = drafting_vocab(getattr(config, "draft_vocab", None), target, ctx.dtype, quantization)
+            if self.vocab is not None:
+                vocab = len(self.vocab)
         if config.tree == "dynamic" and config.tree_topk > vocab:
             raise ConfigError(f"tree_topk={config.tree_topk} exceeds the draft vocabulary ({vocab} tokens)")
         self.target = target

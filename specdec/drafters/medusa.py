@@ -16,7 +16,7 @@ import torch
 from sampling.sampler import argmax_rows
 from specdec.config import MAX_TREE_NODES, SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
-from specdec.drafters.draft_vocab import DraftVocab
+from specdec.drafters.draft_vocab import drafting_vocab
 from specdec.drafters.heads import MedusaHeads, load_heads
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.tree import StaticTree
@@ -98,14 +98,7 @@ class MedusaDrafter(DrafterBase):
         quantization = config.quantization_config()
         if quantization is not None:  # the heads' linears and the LM-head rows they draft through
             quantize_linears(heads, quantization, next(heads.parameters()).dtype)
-        rows = quantization if quantization is not None and quantization.lm_head else None
-        self.vocab = (
-            DraftVocab(config.draft_vocab, target, ctx.dtype, rows)
-            if config.draft_vocab is not None
-            else DraftVocab(list(range(target.cfg.vocab_size)), target, ctx.dtype, rows)
-            if rows is not None
-            else None
-        )
+        self.vocab = drafting_vocab(config.draft_vocab, target, ctx.dtype, quantization)
         vocab_size = target.cfg.vocab_size if self.vocab is None else len(self.vocab)
         if self.tree is not None and self.tree.max_rank >= vocab_size:
             raise ConfigError(
