@@ -25,7 +25,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#include "cpu_attention_amx.h"
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -37,39 +40,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {  // bfloat16 widened exactly: its bits in the upper half
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// The lanes of the permutes of level S of transpose16: row i's (HI false) and row i + S's (HI true).
-template <int S, bool HI>
-struct TransposeIndex {
-  alignas(64) int32_t lane[16];
-  constexpr TransposeIndex() : lane() {
-    for (int k = 0; k < 16; ++k) lane[k] = (k & S) ? (HI ? 16 + k : 16 + k - S) : (HI ? k + S : k);
-  }
-};
-
-// One level of transpose16: bit S of the row and of the lane index exchanged between rows i and i + S.
-template <int S>
-inline void transpose_level(__m512 r[16]) {
-  static constexpr TransposeIndex<S, false> kLo{};
-  static constexpr TransposeIndex<S, true> kHi{};
-  const __m512i lo = _mm512_load_si512(kLo.lane), hi = _mm512_load_si512(kHi.lane);
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    if (i & S) continue;
-    const __m512 a = r[i], b = r[i + S];
-    r[i] = _mm512_permutex2var_ps(a, lo, b);
-    r[i + S] = _mm512_permutex2var_ps(a, hi, b);
-  }
-}
-
-// r[0 .. 15] transposed in place (r[i][k] <-> r[k][i]): four levels of 16 two-source permutes, the
-// indices compile-time constants (built in memory at run time they cost a store-forwarding stall each).
-inline void transpose16(__m512 r[16]) {
-  transpose_level<8>(r);
-  transpose_level<4>(r);
-  transpose_level<2>(r);
-  transpose_level<1>(r);
 }
 
 // out[rr][0 : 16 NV] = sum over keys j in [first, L) of p[rr * L + j] * v[off[j - first] + c0 : ...]
@@ -110,12 +80,55 @@ inline void weighted_values(const float* p, int64_t L, int64_t nr, int64_t first
 }
 #endif
 
+#ifdef SPECDEC_AMX_ATTENTION
+// The AMX path (cpu_attention_amx.h): one task per (request, KV head, chunk of at most 16 rows in whole
+// groups of four). A task costs about the same for 1 and for 16 rows (its work goes with the keys), so a
+// (request, KV head) is split beyond the tile's 16 rows only while there are fewer tasks than threads.
+void attend_amx(const at::BFloat16* query, int64_t q_stride, const at::BFloat16* k_cache,
+                const at::BFloat16* v_cache, const int64_t* block_table, int64_t bt_stride, const int64_t* reqs,
+                const int64_t* q_start, const int64_t* q_len, const int64_t* seq_len, const int64_t* mask_offset,
+                const uint8_t* masks, at::BFloat16* out, int64_t m, int64_t H, int64_t KVH, int64_t D,
+                int64_t block_size, float scale) {
+  namespace amx = specdec_cpu_amx_attention;
+  const int64_t G = H / KVH;
+  int64_t max_groups = 1;
+  for (int64_t i = 0; i < m; ++i) max_groups = std::max(max_groups, (q_len[i] * G + 3) / 4);
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = (max_groups + 3) / 4;
+  while (chunks < max_groups && m * KVH * chunks < threads) ++chunks;
+  auto bits = [](const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
+  at::parallel_for(0, m * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
+    amx::configure();
+    amx::Scratch s;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t i = task / (KVH * chunks), g = task / chunks % KVH, chunk = task % chunks;
+      const int64_t ql = q_len[i], groups = (ql * G + 3) / 4, per = (groups + chunks - 1) / chunks;
+      const int64_t u0 = std::min(ql * G, chunk * per * 4), u1 = std::min(ql * G, u0 + per * 4);
+      if (u0 >= u1) continue;
+      amx::task(bits(query), q_stride, bits(k_cache), bits(v_cache), block_table + reqs[i] * bt_stride,
+                block_size, q_start[i], ql, seq_len[i], mask_offset[i] >= 0 ? masks + mask_offset[i] : nullptr,
+                u0, u1, H, KVH, D, g, scale, reinterpret_cast<uint16_t*>(out), s);
+    }
+    _tile_release();
+  });
+}
+#endif
+
 template <typename T>
 void attend(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_table,
             int64_t bt_stride, const int64_t* reqs, const int64_t* q_start, const int64_t* q_len,
             const int64_t* seq_len, const int64_t* mask_offset, const uint8_t* masks, T* out, int64_t m,
             int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window, float softcap) {
   const int64_t G = H / KVH;
+#ifdef SPECDEC_AMX_ATTENTION
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (specdec_cpu_amx_attention::serves(D, block_size, window, softcap) && has_amx()) {
+      attend_amx(query, q_stride, k_cache, v_cache, block_table, bt_stride, reqs, q_start, q_len, seq_len,
+                 mask_offset, masks, out, m, H, KVH, D, block_size, scale);
+      return;
+    }
+  }
+#endif
   // A request's rows u = r * G + h (query r, head g * G + h of KV head g) in groups of four (the score
   // product's unit); each (request, KV head) split into chunks of whole groups where that evens out the
   // threads' work: the smallest count giving a multiple of the thread count, or at least 4 tasks per thread

@@ -67,6 +67,9 @@ inline void configure(int rows) {
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
+  // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the config, so it may sink the other
+  // stores past LDTILECFG (garbage row counts: #GP); the barrier keeps them before it.
+  asm volatile("" ::: "memory");
   _tile_loadconfig(&c);
 }
 

@@ -123,6 +123,41 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#ifdef SPECDEC_AVX512
+// The lanes of the permutes of level S of transpose16: row i's (HI false) and row i + S's (HI true).
+template <int S, bool HI>
+struct TransposeIndex {
+  alignas(64) int32_t lane[16];
+  constexpr TransposeIndex() : lane() {
+    for (int k = 0; k < 16; ++k) lane[k] = (k & S) ? (HI ? 16 + k : 16 + k - S) : (HI ? k + S : k);
+  }
+};
+
+// One level of transpose16: bit S of the row and of the lane index exchanged between rows i and i + S.
+template <int S>
+inline void transpose_level(__m512 r[16]) {
+  static constexpr TransposeIndex<S, false> kLo{};
+  static constexpr TransposeIndex<S, true> kHi{};
+  const __m512i lo = _mm512_load_si512(kLo.lane), hi = _mm512_load_si512(kHi.lane);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    if (i & S) continue;
+    const __m512 a = r[i], b = r[i + S];
+    r[i] = _mm512_permutex2var_ps(a, lo, b);
+    r[i + S] = _mm512_permutex2var_ps(a, hi, b);
+  }
+}
+
+// r[0 .. 15] transposed in place (r[i][k] <-> r[k][i]): four levels of 16 two-source permutes, the
+// indices compile-time constants (built in memory at run time they cost a store-forwarding stall each).
+inline void transpose16(__m512 r[16]) {
+  transpose_level<8>(r);
+  transpose_level<4>(r);
+  transpose_level<2>(r);
+  transpose_level<1>(r);
+}
+#endif
+
 // s[0:n] <- exp(s - max) / sum, in place (a softmax row; -inf entries become exactly 0).
 inline void softmax_inplace(float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();

@@ -184,6 +184,43 @@ def test_bfloat16_within_one_rounding_of_float32():
 
 
 @needs_kernel
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "avx512"])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32)])
+def test_bfloat16_tile_path_within_one_rounding_and_blind_past_the_keys(tiles, head_dim, block_size):
+    """bfloat16 caches in blocks of a multiple of 16 keys with head_dim 64 or 128 take the AMX path where
+    the CPU has it (``csrc/cpu_attention_amx.h``; ``set_amx(False)``: the AVX-512 path): decode rows,
+    chains, trees and 20 queries of one request (60 rows, more than one tile of 16), keys across blocks,
+    within one bfloat16 rounding of the float32 reference. The tiles read whole runs of 16 keys, also past
+    a request's last key: NaN in every slot no request owns changes no bit of the output."""
+    from kernels.cpu_ext import require_extension
+
+    ext = require_extension()
+    if tiles and not ext.has_amx():
+        pytest.skip("no AMX here")
+    specs = [(1, 37, False), (5, 60, False), (16, 200, True), (20, 45, False), (1, 1, False), (7, 300, True)]
+    inputs = _batch(specs, 12, 4, head_dim, block_size, torch.bfloat16, seed=11)
+    query, key, value, k_cache, v_cache, metadata = inputs
+    md = metadata()
+    owned = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
+    for b, seq_len in enumerate(md.seq_lens_host):
+        for p in range(seq_len):
+            owned[int(md.block_table[b, p // block_size]) * block_size + p % block_size] = True
+    poisoned = [c.clone() for c in (k_cache, v_cache)]
+    for c in poisoned:
+        c.view(-1, *c.shape[2:])[~owned] = float("nan")
+    was = ext.has_amx()
+    try:
+        ext.set_amx(tiles)
+        got = _run(CpuAttention(), query, key, value, k_cache, v_cache, metadata)
+        got_poisoned = _run(CpuAttention(), query, key, value, *poisoned, metadata)
+    finally:
+        ext.set_amx(was)
+    assert torch.equal(got, got_poisoned)
+    want = _run(ReferenceAttention(), query, key, value, k_cache, v_cache, metadata, dtype=torch.float32)
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2e-3)
+
+
+@needs_kernel
 def test_selection():
     cpu = torch.device("cpu")
     assert type(select_attention_backend(cpu)) is CpuAttention  # auto on a CPU where the kernel builds
