@@ -58,7 +58,7 @@ class BenchStepConfig(HarnessConfig):
     context: int = 128
     repeats: int = 100
     max_tokens: int = 128
-    e2e_repeats: int = 5
+    e2e_repeats: int = 9
 
     def validate(self) -> None:
         super().validate()

@@ -258,6 +258,9 @@ class ModelRunner:
             :mod:`specdec.compilation`), and / or replay steps from CUDA graphs
             (``compilation.cuda_graphs``, :mod:`specdec.compilation.cuda_graphs`); None runs the eager
             model.
+        kv_caches: per layer ``(k_cache, v_cache)`` to read and write instead of allocating them: another
+            runner's, of the same shapes (the quantized self-drafter on the target's caches); None
+            allocates zero-filled ones.
 
     Raises:
         ConfigError: ``cuda_graphs`` on a model not on CUDA, or with an attention backend that cannot run
@@ -272,6 +275,7 @@ class ModelRunner:
         attention: AttentionBackend | str | None = None,
         kv_cache_dtype: str = "auto",
         compilation: CompilationConfig | None = None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -280,9 +284,13 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.attention = select_attention_backend(self.device, attention, kv_cache_dtype)
-        self.kv_caches = allocate_kv_caches(
-            cfg, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype
-        )
+        if kv_caches is None:
+            kv_caches = allocate_kv_caches(
+                cfg, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype
+            )
+        elif len(kv_caches) != cfg.num_layers:
+            raise ValueError(f"kv_caches: {len(kv_caches)} layers' caches for a model of {cfg.num_layers}")
+        self.kv_caches = kv_caches
         #: The forward run by :meth:`execute`: the model, or its compiled form.
         self.forward: DecoderLM | CompiledDecoder = model
         if compilation is not None and compilation.enabled:

@@ -27,6 +27,7 @@ from specdec.request import Request
 
 if TYPE_CHECKING:
     from specdec.config import CompilationConfig, SpeculativeConfig
+    from specdec.model_runner import ModelRunner
     from specdec.models.decoder import DecoderLM
 
 
@@ -113,7 +114,9 @@ class Drafter(Protocol):
     Optional, read by the engine where present (:class:`DrafterBase` has the defaults): a drafter that
     reads the committed tokens lazily (a draft model) tells the speculation policy its per-request
     ``draft_backlog(request, num_new_tokens) -> int`` and reports, after each :meth:`propose`, the
-    seconds and tokens of its catch-up forwards in ``catch_up_s`` / ``catch_up_tokens``.
+    seconds and tokens of its catch-up forwards in ``catch_up_s`` / ``catch_up_tokens``; a drafter that
+    reads and writes the target's own KV tensors (the quantized self-drafter) takes them in
+    ``bind_target_kv(runner)``, called once after :meth:`bind_kv`, when the target's runner exists.
     """
 
     uses_hidden_states: bool
@@ -179,6 +182,9 @@ class DrafterBase:
         return 0
 
     def bind_kv(self, num_blocks: int, block_size: int) -> None:
+        return None
+
+    def bind_target_kv(self, runner: ModelRunner) -> None:
         return None
 
 

@@ -13,7 +13,8 @@ eager prompt catch-up took 38 % of the wall time for a mean depth of 0.16). A ba
 :data:`CATCH_UP_SEPARATE` tokens is caught up in forwards of its own, at most :data:`CATCH_UP_CHUNK`
 tokens per request each, before the drafting forward; their seconds are ``catch_up_s`` (a policy learns
 the cost of drafting without them). After verification the KV of accepted drafts stays valid; the rest is
-simply overwritten later.
+simply overwritten later. The quantized self-drafter (the target's own layers) goes further and reads and
+writes the target's KV tensors themselves (``share_target_kv``): nothing to catch up on.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ if TYPE_CHECKING:
 CATCH_UP_SEPARATE = 16
 #: The most tokens of one request a catch-up forward computes (bounds its activations and attention).
 CATCH_UP_CHUNK = 512
+
+
+def _dtype(model: DecoderLM) -> torch.dtype:
+    return next(model.parameters()).dtype
 
 
 @dataclass
@@ -116,14 +121,22 @@ class DraftModelDrafter(DrafterBase):
             for unseeded sampled requests.
         model: an already built draft model (the quantized self-drafter, tests); None loads
             ``ctx.model_dir``.
+        share_target_kv: read and write the target's own KV tensors instead of keeping its own (the
+            quantized self-drafter: the same layers and shapes). Every committed token then has K/V
+            already, the target's, so the drafter never catches up; it writes K/V only in the slots of the
+            step's new tokens and drafts, which the verification forward overwrites with the target's.
+            Taken only where the draft model's dtype is the target's (else its own KV, as without it).
 
-    Its own KV (the draft model's K/V tensors) is allocated by :meth:`bind_kv`.
+    Its own KV (the draft model's K/V tensors) is allocated by :meth:`bind_kv`; shared, the runner on the
+    target's caches is built by :meth:`bind_target_kv`.
 
     Raises:
         InvalidRequestError: the vocabularies differ.
     """
 
-    def __init__(self, ctx: DrafterContext, model: DecoderLM | None = None) -> None:
+    def __init__(
+        self, ctx: DrafterContext, model: DecoderLM | None = None, share_target_kv: bool = False
+    ) -> None:
         if model is None:
             assert ctx.model_dir is not None, "the registry resolves the draft model's directory"
             model = load_model(ctx.model_dir, dtype=ctx.dtype, device=ctx.device)
@@ -142,13 +155,27 @@ class DraftModelDrafter(DrafterBase):
         #: Seconds and tokens of the latest :meth:`propose`'s catch-up forwards of their own (long backlogs).
         self.catch_up_s = 0.0
         self.catch_up_tokens = 0
+        #: Whether the drafter reads and writes the target's KV tensors (see ``share_target_kv``).
+        self.shares_target_kv = share_target_kv and ctx.dtype == _dtype(ctx.target)
+        self._num_blocks = 0
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return ModelRunner.kv_bytes_per_block(self.model, block_size, next(self.model.parameters()).dtype)
+        if self.shares_target_kv:
+            return 0
+        return ModelRunner.kv_bytes_per_block(self.model, block_size, _dtype(self.model))
 
     def bind_kv(self, num_blocks: int, block_size: int) -> None:
-        self.runner = ModelRunner(self.model, num_blocks, block_size, compilation=self.compilation)
-        self.block_size = block_size
+        self.block_size, self._num_blocks = block_size, num_blocks
+        if not self.shares_target_kv:
+            self.runner = ModelRunner(self.model, num_blocks, block_size, compilation=self.compilation)
+
+    def bind_target_kv(self, runner: ModelRunner) -> None:
+        """Build the draft model's runner on the target runner's KV tensors (``share_target_kv``)."""
+        if self.shares_target_kv:
+            self.runner = ModelRunner(
+                self.model, self._num_blocks, self.block_size, kv_cache_dtype=runner.kv_cache_dtype,
+                compilation=self.compilation, kv_caches=runner.kv_caches,
+            )  # fmt: skip
 
     def reset(self, request: Request) -> None:
         self.states.reset(request)
@@ -158,10 +185,15 @@ class DraftModelDrafter(DrafterBase):
         (it rides in the drafting forward): the catch-up a first draft for the request would pay."""
         state = self.states.peek(request)
         done = state.num_computed if state is not None else 0
+        if self.shares_target_kv:
+            done = max(done, request.num_computed_tokens)
         return max(0, request.num_computed_tokens + num_new_tokens - 1 - done)
 
     def _state(self, request: Request) -> _DraftKV:
-        return self.states.get(request)
+        state = self.states.get(request)
+        if self.shares_target_kv:  # the target's K/V of every committed token is in the shared cache
+            state.num_computed = max(state.num_computed, request.num_computed_tokens)
+        return state
 
     def _draw(
         self,
@@ -351,11 +383,13 @@ def quantized_self(ctx: DrafterContext) -> DraftModelDrafter:
 
     Why it can pay: a decode step is bound by the bytes it reads. In bfloat16 an int4 copy reads about a
     quarter of the target's linear-layer bytes (int8: about half), and, being the same network, it agrees
-    with the target far more often than a smaller model does. Its own KV costs as much as the target's.
+    with the target far more often than a smaller model does. It keeps no KV of its own: it reads the
+    target's K/V of the context and writes its drafts' in the target's cache (``share_target_kv``), so
+    it never catches up on a prompt or on steps it did not draft, and its drafts see the target's K/V.
 
     Raises:
         ConfigError: the int4 group size does not divide one of the target's layer input sizes.
     """
     quantization = ctx.config.quantization_config()
     assert quantization is not None
-    return DraftModelDrafter(ctx, quantized_copy(ctx.target, quantization, ctx.dtype))
+    return DraftModelDrafter(ctx, quantized_copy(ctx.target, quantization, ctx.dtype), share_target_kv=True)

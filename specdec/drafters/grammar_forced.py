@@ -27,12 +27,17 @@ the sampler into the drafter, so the forced tokens are verified in the same forw
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specdec.drafters.base import Drafter, DrafterBase, DrafterContext, DraftInput, DraftProposal
 from specdec.drafters.registry import register_drafter
 from specdec.request import Request
 from specdec.structured import CONTEXT_TOKENS, forced_tokens
+
+if TYPE_CHECKING:
+    from specdec.model_runner import ModelRunner
 
 
 class GrammarForcedDrafter(DrafterBase):
@@ -130,6 +135,11 @@ class GrammarForcedDrafter(DrafterBase):
     def bind_kv(self, num_blocks: int, block_size: int) -> None:
         if self.inner is not None:
             self.inner.bind_kv(num_blocks, block_size)
+
+    def bind_target_kv(self, runner: ModelRunner) -> None:
+        bind = getattr(self.inner, "bind_target_kv", None)
+        if bind is not None:
+            bind(runner)
 
 
 @register_drafter("grammar")

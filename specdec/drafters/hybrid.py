@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import Drafter, DrafterBase, DrafterContext, DraftInput, DraftProposal
@@ -37,6 +38,9 @@ from specdec.drafters.suffix import SUFFIX_FIELDS, check_suffix_config
 from specdec.errors import ConfigError
 from specdec.models.config import ModelArchConfig
 from specdec.request import Request
+
+if TYPE_CHECKING:
+    from specdec.model_runner import ModelRunner
 
 #: Members when ``hybrid_members`` is None.
 DEFAULT_MEMBERS = ("suffix", "ngram")
@@ -291,3 +295,9 @@ class HybridDrafter(DrafterBase):
     def bind_kv(self, num_blocks: int, block_size: int) -> None:
         for m in self.members:
             m.bind_kv(num_blocks, block_size)
+
+    def bind_target_kv(self, runner: ModelRunner) -> None:
+        for m in self.members:
+            bind = getattr(m, "bind_target_kv", None)
+            if bind is not None:
+                bind(runner)

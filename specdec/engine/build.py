@@ -121,6 +121,9 @@ def build_engine_parts(
     runner = ModelRunner(
         model, num_blocks, bs, kv_cache_dtype=cache_config.kv_cache_dtype, compilation=compilation
     )
+    bind_target_kv = getattr(drafter, "bind_target_kv", None)
+    if bind_target_kv is not None:
+        bind_target_kv(runner)
     return EngineParts(model, cfg, drafter, max_model_len, num_blocks, runner, generator)
 
 
