@@ -95,6 +95,13 @@ METHODS: dict[str, dict[str, Any] | None] = {
     },
     # The target's own weights quantized to int8 per channel as its drafter.
     "quantized-int8": {"method": "quantized_self", "num_speculative_tokens": 4, "quantization": "int8"},
+    # ... drafting over the EAGLE-3 head's 8k-token vocabulary (its LM head reads 1/6 of the rows).
+    "quantized-int8-v8k": {
+        "method": "quantized_self",
+        "num_speculative_tokens": 4,
+        "quantization": "int8",
+        "draft_vocab": "{model}-eagle3",
+    },
 }
 DEFAULT_SPECBENCH = "../shared/specbench/question.jsonl"
 

@@ -280,12 +280,12 @@ class SpeculativeConfig:
             what another request wrote (see :mod:`specdec.drafters.suffix`).
         hybrid_members: "hybrid": the drafters it chooses among per request and step (None:
             ``["suffix", "ngram"]``); see :mod:`specdec.drafters.hybrid`.
-        draft_vocab: "eagle" / "medusa": draft from a reduced vocabulary (EAGLE-3's idea): a
-            list of target token ids, or the name or directory of an EAGLE-3 head for the same target whose
-            draft vocabulary (its ``d2t``: the most frequent target tokens of its training data) to take.
-            Each draft token then costs the target's LM-head rows of those tokens only. None: the whole
-            vocabulary. Drafts are verified as always, so outputs stay exact; acceptance can only fall
-            where the target's token lies outside the vocabulary.
+        draft_vocab: "eagle" / "medusa" / "quantized_self": draft from a reduced vocabulary (EAGLE-3's
+            idea): a list of target token ids, or the name or directory of an EAGLE-3 head for the same
+            target whose draft vocabulary (its ``d2t``: the most frequent target tokens of its training
+            data) to take. Each draft token then costs the target's LM-head rows of those tokens only.
+            None: the whole vocabulary. Drafts are verified as always, so outputs stay exact; acceptance
+            can only fall where the target's token lies outside the vocabulary.
 
     Raises:
         ConfigError (a ValueError): unknown method (the message names the registered ones), k outside

@@ -72,6 +72,7 @@ def test_defaults_are_the_old_argparse_defaults():
         "eagle3-int8",
         "medusa-v8k-int8",
         "quantized-int8",
+        "quantized-int8-v8k",
     ]
     assert drafters.specbench_path == "../shared/specbench/question.jsonl"
 

@@ -87,6 +87,30 @@ def test_greedy_equality_tiny(tiny_target, quantization, batch):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
+def test_greedy_equality_over_a_reduced_draft_vocabulary(tiny_target):
+    """``draft_vocab``: the drafter's LM head computes the even token ids' logits only and drafts none
+    of the odd ones (every draft even), and the output is still plain decoding's."""
+    prompts = _prompts(3)
+    max_tokens = [24, 27, 30]
+    plain, _ = _generate(tiny_target, prompts, max_tokens)
+    even = list(range(0, VOCAB, 2))
+    spec = {
+        "method": "quantized_self",
+        "quantization": "int8",
+        "num_speculative_tokens": 3,
+        "draft_vocab": even,
+    }
+    llm = LLM(tiny_target, skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    drafted: list[int] = []
+    propose = llm.engine.drafter.propose
+    llm.engine.drafter.propose = lambda batch: [drafted.extend(p.token_ids) or p for p in propose(batch)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert drafted and all(t % 2 == 0 for t in drafted)
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
 def test_greedy_equality_with_a_quantized_target_and_a_bfloat16_drafter(tiny_target):
     """The target itself int8 (the drafter re-quantizes its dequantized weights to int4, in bfloat16):
     output equals the int8 target's plain greedy decoding."""
@@ -239,8 +263,10 @@ def dist_setup(tmp_path_factory):
 
 
 #: The drafters of the distribution tests: int4 (torch's kernels) and int8 (this project's int8 kernel,
-#: kernels/csrc/cpu_gemv_int8.cpp, where it builds: its drafts come from int16-quantized activations).
-DIST_QUANTIZATIONS = {"int4": INT4, "int8": "int8"}
+#: kernels/csrc/cpu_gemv_int8.cpp, where it builds: its drafts come from int16-quantized activations);
+#: "int4-v6" drafts from 6 of the 8 tokens only (``draft_vocab``: probability 0 for tokens 6 and 7).
+DIST_QUANTIZATIONS = {"int4": INT4, "int8": "int8", "int4-v6": INT4}
+DIST_DRAFT_VOCAB = {"int4-v6": [0, 1, 2, 3, 4, 5]}
 
 
 def _dist_llm(setup, quantization: str) -> LLM:
@@ -250,6 +276,8 @@ def _dist_llm(setup, quantization: str) -> LLM:
         "quantization": DIST_QUANTIZATIONS[quantization],
         "num_speculative_tokens": K,
     }
+    if quantization in DIST_DRAFT_VOCAB:
+        spec["draft_vocab"] = DIST_DRAFT_VOCAB[quantization]
     return LLM(
         setup["target"],
         skip_tokenizer_init=True,

@@ -30,6 +30,7 @@ from sampling.processors import RowGroup, build_sampling_metadata, process_logit
 from sampling.sampler import argmax_rows, sample_from_probs
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
+from specdec.drafters.draft_vocab import DraftVocab, ReducedVocabHead
 from specdec.drafters.registry import register_drafter
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.model_runner import ModelRunner, Segment, build_inputs
@@ -365,7 +366,7 @@ def check_quantized_self_target(
 
 @register_drafter(
     "quantized_self",
-    fields=("quantization",),
+    fields=("quantization", "draft_vocab"),
     check_config=check_quantized_self,
     check_target=check_quantized_self_target,
 )
@@ -383,13 +384,22 @@ def quantized_self(ctx: DrafterContext) -> DraftModelDrafter:
 
     Why it can pay: a decode step is bound by the bytes it reads. In bfloat16 an int4 copy reads about a
     quarter of the target's linear-layer bytes (int8: about half), and, being the same network, it agrees
-    with the target far more often than a smaller model does. It keeps no KV of its own: it reads the
-    target's K/V of the context and writes its drafts' in the target's cache (``share_target_kv``), so
-    it never catches up on a prompt or on steps it did not draft, and its drafts see the target's K/V.
+    with the target far more often than a smaller model does. With ``draft_vocab`` (target token ids, or
+    an EAGLE-3 head whose draft vocabulary to take) its LM head computes those tokens' logits only
+    (:class:`~specdec.drafters.draft_vocab.ReducedVocabHead`; SmolLM2: 8,192 of 49,152 rows), every
+    other token at probability 0: drafts are verified as always, so outputs stay exact. It keeps no KV of
+    its own: it reads the target's K/V of the context and writes its drafts' in the target's cache
+    (``share_target_kv``), so it never catches up on a prompt or on steps it did not draft, and its
+    drafts see the target's K/V.
 
     Raises:
         ConfigError: the int4 group size does not divide one of the target's layer input sizes.
     """
     quantization = ctx.config.quantization_config()
     assert quantization is not None
-    return DraftModelDrafter(ctx, quantized_copy(ctx.target, quantization, ctx.dtype), share_target_kv=True)
+    model = quantized_copy(ctx.target, quantization, ctx.dtype)
+    draft_vocab = ctx.config.draft_vocab
+    if draft_vocab is not None:
+        vocab = DraftVocab(draft_vocab, ctx.target, ctx.dtype, quantization if quantization.lm_head else None)
+        model.lm_head = ReducedVocabHead(vocab, ctx.vocab_size)  # type: ignore[assignment]
+    return DraftModelDrafter(ctx, model, share_target_kv=True)

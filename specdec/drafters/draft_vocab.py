@@ -125,3 +125,36 @@ def drafting_vocab(
     if rows is not None:
         return DraftVocab(list(range(target.cfg.vocab_size)), target, dtype, rows)
     return None
+
+
+class ReducedVocabHead(torch.nn.Module):
+    """An LM head that computes the logits of a draft vocabulary only and reports every other token at
+    ``-inf`` (probability 0): a draft model's LM head, so that its forward reads ``V'`` rows instead of
+    ``V`` while its logits keep the target's shape for processing and sampling (the quantized
+    self-drafter's ``draft_vocab``).
+
+    Args:
+        vocab: the rows (:class:`DraftVocab`: the target's LM-head rows of the ids, quantized or not).
+        vocab_size: the target's vocabulary size ``V``.
+
+    Input ``[T, H]`` final-norm hidden states; output ``[T, V]`` float32, ``-inf`` outside ``vocab.ids``
+    (a soft-capping model caps them afterwards, to ``-cap``: a probability near 0, the drafts still
+    verified exactly).
+    """
+
+    def __init__(self, vocab: DraftVocab, vocab_size: int) -> None:
+        super().__init__()
+        if vocab.quantized is not None:
+            self.rows: torch.nn.Module = vocab.quantized
+        else:
+            self.rows = torch.nn.Linear(
+                vocab.weight.shape[1], len(vocab), bias=False, dtype=vocab.weight.dtype
+            )
+            self.rows.weight = torch.nn.Parameter(vocab.weight, requires_grad=False)
+        self.register_buffer("ids", vocab.ids.to(vocab.weight.device), persistent=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = hidden.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"), dtype=torch.float32)
+        out[..., self.ids] = self.rows(hidden).float()
+        return out
