@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_gemv
+from kernels import cpu_gemv, cpu_gemv_int8
 from kernels.cpu_attention import ShortQueries
 from kernels.cpu_ext import enabled, require_extension
 
@@ -121,7 +121,12 @@ class DecodeStack:
             w.dtype == torch.int8 for ws in linears for w in ws
         )
         #: The most rows (batched tokens) a forward through the stack may have.
+        codes = [w.dtype == torch.int8 for ws in linears for w in ws]
         self.max_rows = 2**31 if packed else cpu_gemv.max_rows(self.dtype)
+        if all(codes):  # an int8 model: the int8 kernel's passes of 16 rows
+            self.max_rows = cpu_gemv_int8.MAX_ROWS
+        elif any(codes):
+            self.max_rows = min(self.max_rows, cpu_gemv_int8.MAX_ROWS)
         self._stack = require_extension().DecodeStack()
         for lay in layers:
             self._stack.add_layer(

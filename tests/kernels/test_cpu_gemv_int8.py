@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not cpu_gemv_int8.available(), reason="the CPU k
 # (M, N, K): one row and the row groups (4 weight rows at once for 1-2 input rows, 2 for 3-4), passes of
 # 16 rows (17: 9 + 8), K not a multiple of 32 or 64, K beyond one int32 chunk (4096), tiny shapes
 SHAPES = [(1, 37, 70), (2, 100, 576), (3, 5, 64), (4, 64, 96), (5, 33, 1536), (16, 19, 128), (17, 40, 200),
-          (1, 9, 9000), (7, 3, 4097), (2, 1, 1)]  # fmt: skip
+          (40, 24, 300), (64, 17, 96), (1, 9, 9000), (7, 3, 4097), (2, 1, 1)]  # fmt: skip
 
 
 def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0, bias: bool = True):
