@@ -255,6 +255,8 @@ class QuantizedSelfDrafterConfig(DrafterConfig):
         group_size: int4 columns per scale, 32/64/128 (None: 64).
         zero_point: int4 only: asymmetric groups (the zoo's GGUF-converted models' own 4-bit grid at 32).
         num_speculative_tokens: draft tokens per step (K).
+        draft_vocab: None (the whole vocabulary), target token ids, or an EAGLE-3 head whose draft
+            vocabulary the drafter's LM head computes (``drafter.draft_vocab=smollm2-135m-instruct-eagle3``).
     """
 
     method: str = "quantized_self"
@@ -262,6 +264,7 @@ class QuantizedSelfDrafterConfig(DrafterConfig):
     group_size: int | None = None
     zero_point: bool = False
     num_speculative_tokens: int = 4
+    draft_vocab: Any = None
 
     def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "quantized_self", ...}`` for ``specdec.LLM``."""
@@ -270,11 +273,14 @@ class QuantizedSelfDrafterConfig(DrafterConfig):
             scheme["group_size"] = self.group_size
         if self.zero_point:
             scheme["zero_point"] = True
-        return {
+        spec: dict[str, Any] = {
             "method": "quantized_self",
             "quantization": scheme,
             "num_speculative_tokens": self.num_speculative_tokens,
         }
+        if self.draft_vocab is not None:
+            spec["draft_vocab"] = draft_vocab_value(self.draft_vocab)
+        return spec
 
 
 @dataclass

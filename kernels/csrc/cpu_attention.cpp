@@ -18,7 +18,9 @@
 // to float32 and transposed in registers into a tile [head_dim, 32]; each score is one float32 FMA chain
 // over head_dim (4 rows x 32 keys per step); the values are read from the cache and widened as they are
 // summed, 4 rows at a time. Scores, softmax and the weighted sum of values are float32; float32 and bfloat16
-// caches and queries. Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
+// caches and queries. bfloat16 caches in blocks of a multiple of 16 keys (head_dim 64 or 128, no window or
+// soft-cap) take the AMX tile path instead where the CPU has it (cpu_attention_amx.h: a task costs about
+// the same for 1 and 16 rows). Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
 // tests/kernels/test_cpu_attention.py compares them.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -100,14 +102,34 @@ void attend_amx(const at::BFloat16* query, int64_t q_stride, const at::BFloat16*
   at::parallel_for(0, m * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
     amx::configure();
     amx::Scratch s;
+    std::vector<int64_t> off;
+    std::vector<float> acc;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / (KVH * chunks), g = task / chunks % KVH, chunk = task % chunks;
-      const int64_t ql = q_len[i], groups = (ql * G + 3) / 4, per = (groups + chunks - 1) / chunks;
+      const int64_t ql = q_len[i], L = seq_len[i], groups = (ql * G + 3) / 4, per = (groups + chunks - 1) / chunks;
       const int64_t u0 = std::min(ql * G, chunk * per * 4), u1 = std::min(ql * G, u0 + per * 4);
       if (u0 >= u1) continue;
-      amx::task(bits(query), q_stride, bits(k_cache), bits(v_cache), block_table + reqs[i] * bt_stride,
-                block_size, q_start[i], ql, seq_len[i], mask_offset[i] >= 0 ? masks + mask_offset[i] : nullptr,
-                u0, u1, H, KVH, D, g, scale, reinterpret_cast<uint16_t*>(out), s);
+      const int64_t* blocks = block_table + reqs[i] * bt_stride;
+      const int64_t Lp = amx::probabilities(bits(query), q_stride, bits(k_cache), blocks, block_size, q_start[i], ql,
+                                            L, mask_offset[i] >= 0 ? masks + mask_offset[i] : nullptr, u0, u1, H,
+                                            KVH, D, g, scale, s);
+      // The weighted values in float32 FMAs, key by key in key order, as the AVX-512 path sums them: the
+      // tiles add a pair of products in an order set by the keys' places, which would part a tree row from
+      // the decode row of its branch (tests/kernels/test_cpu_attention.py). Keys past L have weight 0.
+      off.resize(Lp);
+      for (int64_t j = 0; j < Lp; ++j)
+        off[j] = j < L ? ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D : 0;
+      const int64_t R = u1 - u0;
+      acc.assign(R * D, 0.f);
+      for (int64_t rr = 0; rr < R; rr += 4) {
+        const int64_t nr = std::min<int64_t>(4, R - rr);
+        if (D == 64) weighted_values<4>(&s.p[rr * Lp], Lp, nr, 0, v_cache, off.data(), &acc[rr * D], D);
+        else weighted_values<8>(&s.p[rr * Lp], Lp, nr, 0, v_cache, off.data(), &acc[rr * D], D);
+      }
+      for (int64_t u = u0; u < u1; ++u) {
+        at::BFloat16* dst = out + ((q_start[i] + u / G) * H + g * G + u % G) * D;
+        for (int64_t d = 0; d < D; ++d) from_float(acc[(u - u0) * D + d], dst + d);
+      }
     }
     _tile_release();
   });

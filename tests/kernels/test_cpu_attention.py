@@ -174,6 +174,50 @@ def test_a_tree_row_equals_the_decode_row_of_its_branch_bit_for_bit(dtype, conte
 
 
 @needs_kernel
+@pytest.mark.parametrize("seed", range(4))
+def test_a_tree_row_sums_its_values_in_the_decode_rows_order(seed):
+    """The order in which a row's weighted values are summed must not depend on where its visible keys
+    sit: zero queries give every visible key the weight 1 exactly, and values of ±2^20 beside ±2^-8
+    make the float32 sum depend on the order of additions (2^20 + 2^-8 - 2^20 is 0, 2^20 - 2^20 + 2^-8
+    is not). A kernel that adds two keys' products in an order set by their places (AMX's TDPBF16PS
+    adds a pair's odd product first) parts tree rows from decode rows here; random values rarely show
+    it (0 of 960 rows), while a greedy token tree parted from plain decoding on 1 of 16 SmolLM2 prompts."""
+    heads, kv_heads, head_dim, bs, n, context = 9, 3, 64, 16, 16, 21
+    g = torch.Generator().manual_seed(seed)
+    tree = _random_tree_mask(n, g)
+    total = context + n
+    big = torch.randint(0, 2, (total, kv_heads, head_dim), generator=g) * 2 - 1
+    small = torch.randint(-8, 9, (total, kv_heads, head_dim), generator=g) * 2.0**-8
+    pick = torch.rand(total, kv_heads, head_dim, generator=g) < 0.5
+    v_ctx = torch.where(pick, big * 2.0**20, small).to(torch.bfloat16)
+    k_ctx = torch.randn(total, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    query = torch.zeros(n, heads, head_dim, dtype=torch.bfloat16)
+    one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+
+    def attend(keys, values, queries, mask):
+        L, q = keys.shape[0], queries.shape[0]
+        blocks = -(-L // bs)
+        k_cache = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=torch.bfloat16)
+        v_cache = torch.zeros_like(k_cache)
+        k_cache.view(-1, kv_heads, head_dim)[:L] = keys
+        v_cache.view(-1, kv_heads, head_dim)[:L] = values
+        out = torch.empty_like(queries)
+        masks = mask.to(torch.uint8).flatten() if mask is not None else torch.empty(0, dtype=torch.uint8)
+        cpu_attention.paged_attention_short(
+            queries, k_cache, v_cache, torch.arange(blocks).view(1, -1), one(0), one(0), one(q), one(L),
+            one(0 if mask is not None else -1), masks, out, head_dim**-0.5,
+        )  # fmt: skip
+        return out
+
+    tree_out = attend(k_ctx, v_ctx, query, tree)
+    for node in range(n):
+        branch = [context + a for a in range(n) if tree[node, a]]
+        keys = torch.cat([k_ctx[:context], k_ctx[branch]])
+        values = torch.cat([v_ctx[:context], v_ctx[branch]])
+        assert torch.equal(tree_out[node], attend(keys, values, query[node : node + 1], None)[0]), node
+
+
+@needs_kernel
 def test_bfloat16_within_one_rounding_of_float32():
     specs = [(1, 37, False), (5, 60, False), (6, 20, True), (40, 55, False), (1, 1, False), (16, 200, True)]
     inputs = _batch(specs, 9, 3, 64, 16, torch.bfloat16, seed=7)
