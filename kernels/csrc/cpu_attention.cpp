@@ -19,8 +19,8 @@
 // over head_dim (4 rows x 32 keys per step); the values are read from the cache and widened as they are
 // summed, 4 rows at a time. Scores, softmax and the weighted sum of values are float32; float32 and bfloat16
 // caches and queries. bfloat16 caches in blocks of a multiple of 16 keys (head_dim 64 or 128, no window or
-// soft-cap) take the AMX tile path instead where the CPU has it (cpu_attention_amx.h: a task costs about
-// the same for 1 and 16 rows). Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
+// soft-cap) compute the scores and the softmax on AMX tiles instead where the CPU has it
+// (cpu_attention_amx.h), the weighted values as here. Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
 // tests/kernels/test_cpu_attention.py compares them.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -84,8 +84,8 @@ inline void weighted_values(const float* p, int64_t L, int64_t nr, int64_t first
 
 #ifdef SPECDEC_AMX_ATTENTION
 // The AMX path (cpu_attention_amx.h): one task per (request, KV head, chunk of at most 16 rows in whole
-// groups of four). A task costs about the same for 1 and for 16 rows (its work goes with the keys), so a
-// (request, KV head) is split beyond the tile's 16 rows only while there are fewer tasks than threads.
+// groups of four, a tile's rows); a (request, KV head) is split further only while there are fewer tasks
+// than threads (a chain of 5 on SmolLM2's 3 KV heads and 2 threads: 3 tasks, 2 : 1 between the threads).
 void attend_amx(const at::BFloat16* query, int64_t q_stride, const at::BFloat16* k_cache,
                 const at::BFloat16* v_cache, const int64_t* block_table, int64_t bt_stride, const int64_t* reqs,
                 const int64_t* q_start, const int64_t* q_len, const int64_t* seq_len, const int64_t* mask_offset,

@@ -74,6 +74,37 @@ def _run(backend, query, key, value, k_cache, v_cache, metadata, dtype=None, **w
     )  # fmt: skip
 
 
+def _assert_tree_rows_equal_their_branches(k_ctx, v_ctx, query, tree, context, kv_heads, head_dim, bs=16):
+    """Run the kernel on one request whose keys are ``k_ctx`` / ``v_ctx`` (``context`` of them, then a
+    token tree's nodes, ``tree`` its mask) and assert that each node's output equals, bit for bit, the
+    kernel's output for plain decoding of its branch (the context, then its ancestors and itself, in
+    order)."""
+    dtype = k_ctx.dtype
+
+    def attend(keys, values, queries, mask):
+        L, q = keys.shape[0], queries.shape[0]
+        blocks = -(-L // bs)
+        k_cache = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        k_cache.view(-1, kv_heads, head_dim)[:L] = keys
+        v_cache.view(-1, kv_heads, head_dim)[:L] = values
+        out = torch.empty_like(queries)
+        one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+        masks = mask.to(torch.uint8).flatten() if mask is not None else torch.empty(0, dtype=torch.uint8)
+        cpu_attention.paged_attention_short(
+            queries, k_cache, v_cache, torch.arange(blocks).view(1, -1), one(0), one(0), one(q), one(L),
+            one(0 if mask is not None else -1), masks, out, head_dim**-0.5,
+        )  # fmt: skip
+        return out
+
+    tree_out = attend(k_ctx, v_ctx, query, tree)
+    for node in range(tree.shape[0]):
+        branch = [context + a for a in range(tree.shape[0]) if tree[node, a]]  # ancestors and the node
+        keys = torch.cat([k_ctx[:context], k_ctx[branch]])
+        values = torch.cat([v_ctx[:context], v_ctx[branch]])
+        assert torch.equal(tree_out[node], attend(keys, values, query[node : node + 1], None)[0]), node
+
+
 _request = st.tuples(
     st.sampled_from(["decode", "chain", "tree", "prefill"]),
     st.integers(min_value=0, max_value=70),  # context tokens
@@ -146,31 +177,7 @@ def test_a_tree_row_equals_the_decode_row_of_its_branch_bit_for_bit(dtype, conte
     k_ctx = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
     v_ctx = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
     query = torch.randn(n, heads, head_dim, generator=g).to(dtype)
-
-    def attend(keys, values, queries, mask):
-        """The kernel on one request whose keys are ``keys`` (the last ``len(queries)`` new)."""
-        L, q = keys.shape[0], queries.shape[0]
-        blocks = -(-L // bs)
-        k_cache = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype)
-        v_cache = torch.zeros_like(k_cache)
-        k_cache.view(-1, kv_heads, head_dim)[:L] = keys
-        v_cache.view(-1, kv_heads, head_dim)[:L] = values
-        out = torch.empty_like(queries)
-        one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
-        masks = mask.to(torch.uint8).flatten() if mask is not None else torch.empty(0, dtype=torch.uint8)
-        cpu_attention.paged_attention_short(
-            queries, k_cache, v_cache, torch.arange(blocks).view(1, -1), one(0), one(0), one(q), one(L),
-            one(0 if mask is not None else -1), masks, out, head_dim**-0.5,
-        )  # fmt: skip
-        return out
-
-    tree_out = attend(k_ctx, v_ctx, query, tree)
-    for node in range(n):
-        branch = [context + a for a in range(n) if tree[node, a]]  # ancestors and the node, by depth
-        keys = torch.cat([k_ctx[:context], k_ctx[branch]])
-        values = torch.cat([v_ctx[:context], v_ctx[branch]])
-        decode_out = attend(keys, values, query[node : node + 1], None)
-        assert torch.equal(tree_out[node], decode_out[0]), node
+    _assert_tree_rows_equal_their_branches(k_ctx, v_ctx, query, tree, context, kv_heads, head_dim, bs)
 
 
 @needs_kernel
@@ -192,29 +199,7 @@ def test_a_tree_row_sums_its_values_in_the_decode_rows_order(seed):
     v_ctx = torch.where(pick, big * 2.0**20, small).to(torch.bfloat16)
     k_ctx = torch.randn(total, kv_heads, head_dim, generator=g).to(torch.bfloat16)
     query = torch.zeros(n, heads, head_dim, dtype=torch.bfloat16)
-    one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
-
-    def attend(keys, values, queries, mask):
-        L, q = keys.shape[0], queries.shape[0]
-        blocks = -(-L // bs)
-        k_cache = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=torch.bfloat16)
-        v_cache = torch.zeros_like(k_cache)
-        k_cache.view(-1, kv_heads, head_dim)[:L] = keys
-        v_cache.view(-1, kv_heads, head_dim)[:L] = values
-        out = torch.empty_like(queries)
-        masks = mask.to(torch.uint8).flatten() if mask is not None else torch.empty(0, dtype=torch.uint8)
-        cpu_attention.paged_attention_short(
-            queries, k_cache, v_cache, torch.arange(blocks).view(1, -1), one(0), one(0), one(q), one(L),
-            one(0 if mask is not None else -1), masks, out, head_dim**-0.5,
-        )  # fmt: skip
-        return out
-
-    tree_out = attend(k_ctx, v_ctx, query, tree)
-    for node in range(n):
-        branch = [context + a for a in range(n) if tree[node, a]]
-        keys = torch.cat([k_ctx[:context], k_ctx[branch]])
-        values = torch.cat([v_ctx[:context], v_ctx[branch]])
-        assert torch.equal(tree_out[node], attend(keys, values, query[node : node + 1], None)[0]), node
+    _assert_tree_rows_equal_their_branches(k_ctx, v_ctx, query, tree, context, kv_heads, head_dim, bs)
 
 
 @needs_kernel
