@@ -33,8 +33,9 @@ _CSRC = Path(__file__).parent / "csrc"
 #: measurements; see kernels.cpu_gemv.bf16_dot).
 BF16_DOT_ENV = "SPECDEC_CPU_BF16_DOT"
 
-#: ``SPECDEC_CPU_AMX=0``: packed bfloat16 weights take oneDNN's layout and GEMM even where the CPU has AMX
-#: (A/B measurements; see kernels.cpu_gemv.amx).
+#: ``SPECDEC_CPU_AMX=0``: packed bfloat16 weights take oneDNN's layout and GEMM, and bfloat16 attention
+#: scores the AVX-512 path, even where the CPU has AMX (A/B measurements; see kernels.cpu_gemv.amx and
+#: csrc/cpu_attention_amx.h).
 AMX_ENV = "SPECDEC_CPU_AMX"
 
 #: A build lock older than this (seconds) was left by a killed build (a build takes 1-2 minutes here).

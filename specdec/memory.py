@@ -16,7 +16,7 @@ Definitions (all in bytes; GB = 10^9, GiB = 2^30):
   per request: × ``context`` tokens, and the engine allocates whole blocks: ``ceil(context / block_size)``
   blocks. A request with a prompt of P tokens and ``max_tokens`` M holds P + M - 1 tokens of KV at its
   longest (the last token is never fed back). Speculative decoding also reserves k slots per step, and a
-  draft model (or the quantized self-drafter) has a KV cache of its own: not counted here.
+  draft model has a KV cache of its own (the quantized self-drafter shares the target's): not counted here.
 - **requests a budget holds**: KV blocks in the budget (``memory_bytes`` minus the weights, or a KV budget
   ``kv_cache_memory_bytes`` as ``LLM`` takes) ÷ blocks per request, rounded down: the number of requests
   of ``context`` tokens that run at once without preemption.

@@ -288,8 +288,18 @@ class ModelRunner:
             kv_caches = allocate_kv_caches(
                 cfg, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype
             )
-        elif len(kv_caches) != cfg.num_layers:
-            raise ValueError(f"kv_caches: {len(kv_caches)} layers' caches for a model of {cfg.num_layers}")
+        else:
+            want = allocate_kv_caches(cfg, 1, block_size, self.dtype, "meta", kv_cache_dtype)[0][0]
+            if len(kv_caches) != cfg.num_layers or any(
+                c.shape[1:] != want.shape[1:] or c.shape[0] != num_blocks or c.dtype != want.dtype
+                for layer in kv_caches
+                for c in layer
+            ):
+                raise ValueError(
+                    f"kv_caches: {len(kv_caches)} layers' caches of shape {tuple(kv_caches[0][0].shape)}, "
+                    f"{kv_caches[0][0].dtype}; the model needs {cfg.num_layers} of "
+                    f"{(num_blocks, *want.shape[1:])}, {want.dtype}"
+                )
         self.kv_caches = kv_caches
         #: The forward run by :meth:`execute`: the model, or its compiled form.
         self.forward: DecoderLM | CompiledDecoder = model

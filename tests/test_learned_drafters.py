@@ -241,7 +241,7 @@ def test_draft_vocab_errors(random_setup, perm_setup):
     for bad in ([], [1, -2], [1.5], [True], {"a": 1}):
         with pytest.raises(ConfigError, match="draft_vocab"):
             SpeculativeConfig(**eagle, draft_vocab=bad)
-    only = r"draft_vocab=.* applies to method 'medusa' or 'eagle' or 'hybrid' only"
+    only = r"draft_vocab=.* applies to method 'quantized_self' or 'medusa' or 'eagle' or 'hybrid' only"
     with pytest.raises(ConfigError, match=only):
         SpeculativeConfig(method="ngram", draft_vocab=[1, 2])
     with pytest.raises(ConfigError, match="outside the target's vocabulary"):

@@ -111,6 +111,28 @@ def test_greedy_equality_over_a_reduced_draft_vocabulary(tiny_target):
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("case", ["int8 target", "bfloat16 drafter"])
+def test_a_reduced_vocabulary_over_a_quantized_target_or_in_another_dtype(tiny_target, case):
+    """``draft_vocab`` takes the rows of a quantized target's LM head (dequantized), and a drafter whose
+    dtype differs from the target's casts its hidden states to the rows' dtype: output equals the
+    target's plain greedy decoding either way."""
+    prompts = _prompts(3)
+    target = {"quantization": "int8"} if case == "int8 target" else {}
+    plain, _ = _generate(tiny_target, prompts, [20, 20, 20], **target)
+    spec = {
+        "method": "quantized_self",
+        "quantization": "int8",
+        "num_speculative_tokens": 3,
+        "draft_vocab": list(range(0, VOCAB, 2)),
+    }
+    if case == "bfloat16 drafter":
+        spec["draft_dtype"] = "bfloat16"
+    got, llm = _generate(tiny_target, prompts, [20, 20, 20], spec, **target)
+    assert got == plain
+    assert llm.engine.spec_stats.num_drafts > 0
+    assert llm.engine.drafter.shares_target_kv == (case == "int8 target")
+
+
 def test_greedy_equality_with_a_quantized_target_and_a_bfloat16_drafter(tiny_target):
     """The target itself int8 (the drafter re-quantizes its dequantized weights to int4, in bfloat16):
     output equals the int8 target's plain greedy decoding."""
@@ -324,3 +346,32 @@ def test_negative_controls_fail_the_same_test(dist_setup, control):
     counts = sample_counts(llm, calls, seed_base=9 * 10**6, temperatures=(1.0,))
     res = assert_differs(dist_setup["exact"][1.0], counts[1.0], label=f"control {control.__name__}, T=1.0")
     assert res.pvalue < ALPHA * 1e-3
+
+
+@pytest.mark.parametrize("shares", [True, False], ids=["shared KV", "own KV"])
+def test_a_failing_drafter_on_the_targets_kv_scrubs_its_requests_blocks(tiny_target, shares):
+    """A drafter that writes the target's KV may leave non-finite K/V there when it fails: the engine
+    ends the request with its private blocks zeroed (``fail(..., scrub_kv=True)``, whose effect
+    tests/test_faults.py proves); a drafter with its own KV leaves the target's cache as the target wrote
+    it, so nothing is scrubbed."""
+    spec = {"method": "quantized_self", "quantization": "int8", "num_speculative_tokens": 2}
+    if not shares:
+        spec["draft_dtype"] = "bfloat16"
+    llm = LLM(tiny_target, skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    engine = llm.engine
+    assert engine.drafter.shares_target_kv == shares
+    scrubbed: list[bool] = []
+    fail = engine.fail
+    engine.fail = lambda req, message, scrub_kv=False: (
+        scrubbed.append(scrub_kv) or fail(req, message, scrub_kv)
+    )
+
+    def broken(batch):
+        raise RuntimeError("drafter broke")
+
+    engine.drafter.propose = broken
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": _prompts(1)[0]}], params)[0].outputs[0]
+    assert out.finish_reason == "error" and "drafter broke" in (out.error or "")
+    assert scrubbed == [shares]
+    assert engine.kv.num_free_blocks == engine.num_kv_blocks

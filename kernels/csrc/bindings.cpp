@@ -47,8 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot,
         "whether bfloat16 products use AVX-512 BF16 dot products (kernels/csrc/cpu_gemv_bf16dp.h)");
   m.def("set_bf16_dot", &set_bf16_dot, "use (true) or skip (false) the AVX-512 BF16 kernel; returns has_bf16_dot()");
-  m.def("has_amx", &has_amx, "whether packed bfloat16 products use AMX tiles (kernels/csrc/cpu_gemv_amx.h)");
-  m.def("set_amx", &set_amx, "use (true) or skip (false) AMX for packed weights; returns has_amx()");
+  m.def("has_amx", &has_amx, "whether packed bfloat16 products and bfloat16 attention scores use AMX tiles (cpu_gemv_amx.h, cpu_attention_amx.h)");
+  m.def("set_amx", &set_amx, "use (true) or skip (false) AMX for packed weights and attention scores; returns has_amx()");
   m.def("pack_amx", &pack_amx, "a bfloat16 weight [N, K] in the AMX kernel's tile order (kernels/csrc/cpu_gemv_amx.h)");
   m.def("packed_rows", &packed_rows,
         "whether an [M, K] x [N, K]^T bfloat16 product takes the packed weight (kernels/csrc/cpu_gemv.cpp)");

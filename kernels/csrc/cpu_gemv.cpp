@@ -195,8 +195,9 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
 }
 
 // Whether bfloat16 products of packed weights use AMX tiles (cpu_gemv_amx.h): built with them, the process
-// granted them, and not switched off. set_amx(false): oneDNN packs and multiplies instead (A/B
-// measurements, tests); returns whether AMX is in use after the call.
+// granted them, and not switched off. set_amx(false): oneDNN packs and multiplies instead, and the
+// attention's scores take the AVX-512 path (A/B measurements, tests); returns whether AMX is in use after
+// the call.
 static std::atomic<bool> use_amx{true};
 bool has_amx() {
 #ifdef SPECDEC_AMX

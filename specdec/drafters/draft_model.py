@@ -227,7 +227,7 @@ class DraftModelDrafter(DrafterBase):
             state.num_computed = end
         if not spans:
             return proposals
-        assert self.runner is not None, "bind_kv allocates the draft model's KV"
+        assert self.runner is not None, "bind_kv (own KV) or bind_target_kv (shared) builds the runner"
         runner = self.runner
         self._catch_up(batch, spans)
         drafting = list(spans)
@@ -378,7 +378,7 @@ def quantized_self(ctx: DrafterContext) -> DraftModelDrafter:
     dequantized weights are re-quantized; not modified), sharing its tokenizer (the same vocabulary by
     construction), embedding table, norms and RoPE buffer, with its own linear layers quantized (see
     :mod:`specdec.quantization`). It runs as any draft model does, through :class:`DraftModelDrafter`:
-    its own KV tensors (in its activation dtype ``ctx.dtype``, not int8) on the target's block tables,
+    the target's KV tensors (below; its own, in ``ctx.dtype``, when that differs from the target's),
     greedy or sampled drafts, and exact verification by the full-precision target (Leviathan et al. 2023;
     Chen et al. 2023), so the output distribution is the target's whatever the quantization error.
 

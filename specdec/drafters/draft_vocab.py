@@ -16,6 +16,7 @@ from kernels import cpu_gemv
 from kernels.cpu_gemv import gemv
 from specdec.errors import ConfigError
 from specdec.models.decoder import softcap
+from specdec.quantization.apply import dense_weight
 from specdec.quantization.config import QuantizationConfig
 from specdec.quantization.linear import QuantizedLinear
 
@@ -47,6 +48,11 @@ def draft_vocab_ids(
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _dtype_of(target: torch.nn.Module) -> torch.dtype:
+    """The target's activation dtype (its embedding table's; a quantized LM head holds int8 codes)."""
+    return target.embed_tokens.weight.dtype
+
+
 class DraftVocab:
     """The target's LM head restricted to a draft vocabulary.
 
@@ -74,7 +80,8 @@ class DraftVocab:
         quantization: QuantizationConfig | None = None,
     ) -> None:
         self.ids = draft_vocab_ids(draft_vocab, target, dtype)
-        weight = target.lm_head.weight.detach()
+        weight, _ = dense_weight(target.lm_head)  # a quantized target's LM head: its dequantized rows
+        weight = weight.detach().to(_dtype_of(target))
         self.weight = weight[self.ids.to(weight.device)]
         self.softcap = target.cfg.final_logit_softcapping  # Gemma 2: the target's logits are capped
         # decided once: cpu_gemv.gemv would ask whether the kernel is built at every call (~30 µs)
@@ -138,8 +145,9 @@ class ReducedVocabHead(torch.nn.Module):
         vocab_size: the target's vocabulary size ``V``.
 
     Input ``[T, H]`` final-norm hidden states; output ``[T, V]`` float32, ``-inf`` outside ``vocab.ids``
-    (a soft-capping model caps them afterwards, to ``-cap``: a probability near 0, the drafts still
-    verified exactly).
+    (a soft-capping model caps them afterwards, to ``-cap``: a probability near 0, not 0; the drafts are
+    verified exactly either way). A grammar that allows only tokens outside the vocabulary leaves a row of
+    ``-inf``: a sampled request's drafts are then dropped for that step, a greedy one's rejected.
     """
 
     def __init__(self, vocab: DraftVocab, vocab_size: int) -> None:
@@ -153,8 +161,9 @@ class ReducedVocabHead(torch.nn.Module):
             self.rows.weight = torch.nn.Parameter(vocab.weight, requires_grad=False)
         self.register_buffer("ids", vocab.ids.to(vocab.weight.device), persistent=False)
         self.vocab_size = vocab_size
+        self.dtype = vocab.dtype  # the rows' (the target's) dtype: a drafter of another dtype casts to it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = hidden.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"), dtype=torch.float32)
-        out[..., self.ids] = self.rows(hidden).float()
+        out[..., self.ids] = self.rows(hidden.to(self.dtype)).float()
         return out

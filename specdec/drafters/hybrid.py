@@ -49,7 +49,7 @@ DECAY = 0.7
 
 
 #: Registered with no ``model`` to load, yet drafting with a model of their own (the target's weights
-#: quantized, with its own KV cache): not a hybrid member.
+#: quantized, on the target's own KV cache): not a hybrid member.
 MODEL_DRAFTERS = ("quantized_self",)
 
 

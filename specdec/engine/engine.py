@@ -346,8 +346,14 @@ class LLMEngine:
             if self.policy is not None:
                 backlog = getattr(self.drafter, "draft_backlog", None)
                 apply_policy(self.policy, scheduled, self._policy_disabled, backlog)
+            # A drafter writing the target's own KV (the quantized self-drafter) may leave non-finite K/V
+            # in the request's blocks when it fails: scrubbed, as after a target fault.
+            scrub = bool(getattr(self.drafter, "shares_target_kv", False))
             propose_drafts(
-                self.drafter, scheduled, self.model_cfg.vocab_size, lambda s, m: self.fail(s.request, m)
+                self.drafter,
+                scheduled,
+                self.model_cfg.vocab_size,
+                lambda s, m: self.fail(s.request, m, scrub_kv=scrub),
             )
             failed = [s.request for s in scheduled if s.request.status.finished]  # ended while drafting
             scheduled = [s for s in scheduled if not s.request.status.finished]

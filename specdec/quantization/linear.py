@@ -10,7 +10,7 @@ Two ways to compute ``x @ dequantize(W).T + b``:
   ``_convert_weight_to_int4pack_for_cpu``, which needs N divisible by 16; scales and zeros
   ``[K / G, N, 2]``: zeros 0 for symmetric groups, the groups' offsets with ``zero_point``).
 
-int8 products of at most 16 rows on a CPU (``kernel="auto"``) take this project's kernel first,
+int8 products of at most 64 rows on a CPU (``kernel="auto"``) take this project's kernel first,
 :mod:`kernels.cpu_gemv_int8` (int16-quantized input rows against the int8 codes with AVX512_VNNI; at one
 row 18-24 GB/s of codes against torch's 9-12, i.e. about half the time of the bfloat16 GEMV; figures in
 ``docs/kernels.md``), where it builds; the rest of this docstring is about torch's kernels, which serve
