@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #include "cpu_attention_amx.h"
 #include "cpu_kernels.h"
@@ -80,7 +81,44 @@ inline void weighted_values(const float* p, int64_t L, int64_t nr, int64_t first
     if (nr > 3) _mm512_storeu_ps(out + 3 * out_stride + 16 * c, a3[c]);
   }
 }
+
+// acc [R, D] = p [R, L] (rows of probabilities; keys from `first` on) times the values at off (offsets of
+// keys first .. L - 1 in the paged cache), four rows at a time through weighted_values. D % 16 == 0.
+template <typename T>
+inline void weighted_rows(const float* p, int64_t L, int64_t R, int64_t first, const T* v_cache,
+                          const int64_t* off, int64_t D, float* acc) {
+  for (int64_t rr = 0; rr < R; rr += 4) {
+    const int64_t nr = std::min<int64_t>(4, R - rr);
+    const float* prow = p + rr * L;
+    float* dst = acc + rr * D;
+    switch (D / 16) {  // accumulators in registers: a compile-time count of them
+      case 4: weighted_values<4>(prow, L, nr, first, v_cache, off, dst, D); break;
+      case 8: weighted_values<8>(prow, L, nr, first, v_cache, off, dst, D); break;
+      default:
+        for (int64_t c = 0; c < D; c += 16) weighted_values<1>(prow, L, nr, first, v_cache + c, off, dst + c, D);
+    }
+  }
+}
 #endif
+
+// A task's rows u0 .. u1 of its request (u = r * G + h: query r, head h of the KV head's group), in whole
+// groups of four (the score product's unit) split into `chunks` near-equal chunks; empty past them.
+inline std::pair<int64_t, int64_t> task_rows(int64_t ql, int64_t G, int64_t chunks, int64_t chunk) {
+  const int64_t groups = (ql * G + 3) / 4, per = (groups + chunks - 1) / chunks;
+  const int64_t u0 = std::min(ql * G, chunk * per * 4);
+  return {u0, std::min(ql * G, u0 + per * 4)};
+}
+
+// Stores a task's rows acc [u1 - u0, D] (float32) to out [tokens, H, D] at query q_start + u / G, head
+// g * G + u % G.
+template <typename T>
+inline void store_rows(const float* acc, T* out, int64_t q_start, int64_t u0, int64_t u1, int64_t G, int64_t H,
+                       int64_t g, int64_t D) {
+  for (int64_t u = u0; u < u1; ++u) {
+    T* dst = out + ((q_start + u / G) * H + g * G + u % G) * D;
+    for (int64_t d = 0; d < D; ++d) from_float(acc[(u - u0) * D + d], dst + d);
+  }
+}
 
 #ifdef SPECDEC_AMX_ATTENTION
 // The AMX path (cpu_attention_amx.h): one task per (request, KV head, chunk of at most 16 rows in whole
@@ -106,8 +144,8 @@ void attend_amx(const at::BFloat16* query, int64_t q_stride, const at::BFloat16*
     std::vector<float> acc;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / (KVH * chunks), g = task / chunks % KVH, chunk = task % chunks;
-      const int64_t ql = q_len[i], L = seq_len[i], groups = (ql * G + 3) / 4, per = (groups + chunks - 1) / chunks;
-      const int64_t u0 = std::min(ql * G, chunk * per * 4), u1 = std::min(ql * G, u0 + per * 4);
+      const int64_t ql = q_len[i], L = seq_len[i];
+      const auto [u0, u1] = task_rows(ql, G, chunks, chunk);
       if (u0 >= u1) continue;
       const int64_t* blocks = block_table + reqs[i] * bt_stride;
       const int64_t Lp = amx::probabilities(bits(query), q_stride, bits(k_cache), blocks, block_size, q_start[i], ql,
@@ -119,17 +157,9 @@ void attend_amx(const at::BFloat16* query, int64_t q_stride, const at::BFloat16*
       off.resize(Lp);
       for (int64_t j = 0; j < Lp; ++j)
         off[j] = j < L ? ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D : 0;
-      const int64_t R = u1 - u0;
-      acc.assign(R * D, 0.f);
-      for (int64_t rr = 0; rr < R; rr += 4) {
-        const int64_t nr = std::min<int64_t>(4, R - rr);
-        if (D == 64) weighted_values<4>(&s.p[rr * Lp], Lp, nr, 0, v_cache, off.data(), &acc[rr * D], D);
-        else weighted_values<8>(&s.p[rr * Lp], Lp, nr, 0, v_cache, off.data(), &acc[rr * D], D);
-      }
-      for (int64_t u = u0; u < u1; ++u) {
-        at::BFloat16* dst = out + ((q_start[i] + u / G) * H + g * G + u % G) * D;
-        for (int64_t d = 0; d < D; ++d) from_float(acc[(u - u0) * D + d], dst + d);
-      }
+      acc.assign((u1 - u0) * D, 0.f);
+      weighted_rows(s.p.data(), Lp, u1 - u0, 0, v_cache, off.data(), D, acc.data());
+      store_rows(acc.data(), out, q_start[i], u0, u1, G, H, g, D);
     }
     _tile_release();
   });
@@ -168,9 +198,7 @@ void attend(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / (KVH * chunks), g = task / chunks % KVH, chunk = task % chunks;
       const int64_t ql = q_len[i], L = seq_len[i], ctx = L - ql;
-      // This task's rows u0 .. u1 of the request (whole groups of four, near-equal chunks; empty past them).
-      const int64_t groups = (ql * G + 3) / 4, per = (groups + chunks - 1) / chunks;
-      const int64_t u0 = std::min(ql * G, chunk * per * 4), u1 = std::min(ql * G, u0 + per * 4);
+      const auto [u0, u1] = task_rows(ql, G, chunks, chunk);
       if (u0 >= u1) continue;
       const int64_t R = u1 - u0, r0 = u0 / G, r1 = (u1 - 1) / G + 1;  // rows; queries r0 .. r1 touched
       const int64_t* blocks = block_table + reqs[i] * bt_stride;
@@ -317,18 +345,7 @@ void attend(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache
       if (D % 16 == 0) {
         // Each output row summed over the keys in registers, the values read from the cache and widened
         // as they are read (the same products added in the same order as the axpy loop below).
-        for (int64_t rr = 0; rr < R; rr += 4) {
-          const int64_t nr = std::min<int64_t>(4, R - rr);
-          const float* prow = &scores[rr * L];
-          float* dst = &acc[rr * D];
-          switch (D / 16) {  // accumulators in registers: a compile-time count of them
-            case 4: weighted_values<4>(prow, L, nr, first_key, v_cache, off.data(), dst, D); break;
-            case 8: weighted_values<8>(prow, L, nr, first_key, v_cache, off.data(), dst, D); break;
-            default:
-              for (int64_t c = 0; c < D; c += 16)
-                weighted_values<1>(prow, L, nr, first_key, v_cache + c, off.data(), dst + c, D);
-          }
-        }
+        weighted_rows(scores.data(), L, R, first_key, v_cache, off.data(), D, acc.data());
       } else
 #endif
       {
@@ -341,10 +358,7 @@ void attend(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache
           }
         }
       }
-      for (int64_t u = u0; u < u1; ++u) {
-        T* dst = out + ((q_start[i] + u / G) * H + g * G + u % G) * D;
-        for (int64_t d = 0; d < D; ++d) from_float(acc[(u - u0) * D + d], dst + d);
-      }
+      store_rows(acc.data(), out, q_start[i], u0, u1, G, H, g, D);
     }
   });
 }

@@ -51,10 +51,6 @@ CATCH_UP_SEPARATE = 16
 CATCH_UP_CHUNK = 512
 
 
-def _dtype(model: DecoderLM) -> torch.dtype:
-    return next(model.parameters()).dtype
-
-
 @dataclass
 class _DraftKV:
     num_computed: int = 0  # committed tokens whose draft K/V is in the draft cache
@@ -157,13 +153,13 @@ class DraftModelDrafter(DrafterBase):
         self.catch_up_s = 0.0
         self.catch_up_tokens = 0
         #: Whether the drafter reads and writes the target's KV tensors (see ``share_target_kv``).
-        self.shares_target_kv = share_target_kv and ctx.dtype == _dtype(ctx.target)
+        self.shares_target_kv = share_target_kv and ctx.dtype == ctx.target.dtype
         self._num_blocks = 0
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         if self.shares_target_kv:
             return 0
-        return ModelRunner.kv_bytes_per_block(self.model, block_size, _dtype(self.model))
+        return ModelRunner.kv_bytes_per_block(self.model, block_size, self.model.dtype)
 
     def bind_kv(self, num_blocks: int, block_size: int) -> None:
         self.block_size, self._num_blocks = block_size, num_blocks
@@ -184,16 +180,18 @@ class DraftModelDrafter(DrafterBase):
     def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
         """Committed tokens (this step's new ones included) without draft K/V yet, the last one aside
         (it rides in the drafting forward): the catch-up a first draft for the request would pay."""
-        state = self.states.peek(request)
-        done = state.num_computed if state is not None else 0
-        if self.shares_target_kv:
-            done = max(done, request.num_computed_tokens)
+        done = self._num_computed(request, self.states.peek(request))
         return max(0, request.num_computed_tokens + num_new_tokens - 1 - done)
+
+    def _num_computed(self, request: Request, state: _DraftKV | None) -> int:
+        """Committed tokens whose draft K/V is in place: the state's count (0 without one); on the target's
+        KV at least every committed token (the target wrote their K/V into the shared cache)."""
+        done = state.num_computed if state is not None else 0
+        return max(done, request.num_computed_tokens) if self.shares_target_kv else done
 
     def _state(self, request: Request) -> _DraftKV:
         state = self.states.get(request)
-        if self.shares_target_kv:  # the target's K/V of every committed token is in the shared cache
-            state.num_computed = max(state.num_computed, request.num_computed_tokens)
+        state.num_computed = self._num_computed(request, state)
         return state
 
     def _draw(

@@ -48,11 +48,6 @@ def draft_vocab_ids(
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _dtype_of(target: torch.nn.Module) -> torch.dtype:
-    """The target's activation dtype (its embedding table's; a quantized LM head holds int8 codes)."""
-    return target.embed_tokens.weight.dtype
-
-
 class DraftVocab:
     """The target's LM head restricted to a draft vocabulary.
 
@@ -81,7 +76,7 @@ class DraftVocab:
     ) -> None:
         self.ids = draft_vocab_ids(draft_vocab, target, dtype)
         weight, _ = dense_weight(target.lm_head)  # a quantized target's LM head: its dequantized rows
-        weight = weight.detach().to(_dtype_of(target))
+        weight = weight.detach().to(target.dtype)  # activations' dtype (a quantized head holds int8 codes)
         self.weight = weight[self.ids.to(weight.device)]
         self.softcap = target.cfg.final_logit_softcapping  # Gemma 2: the target's logits are capped
         # decided once: cpu_gemv.gemv would ask whether the kernel is built at every call (~30 µs)
