@@ -214,6 +214,42 @@ class Scheduler:
                 budget -= n + k
         return SchedulerOutput(scheduled, preempted)
 
+    def reclaim_draft_slots(self, scheduled: list[ScheduledRequest]) -> int:
+        """Return to the step the draft slots of requests that will draft nothing after all (the
+        speculation policy lowered their ``max_draft_depth`` to 0): their slots are released and the
+        tokens they held lengthen the step's unfinished prompt chunks, oldest request first, each at most
+        to its prompt's end (a chunk that reaches it samples this step, without drafts). A chunk whose
+        KV blocks cannot be allocated keeps its length. Call it after the policy, before drafting.
+
+        Without it a policy that switches speculation off under load still pays for the slots in prefill
+        steps: at 32 HumanEval requests (512 tokens a step) their prompts took one step more than plain
+        decoding's, 1.4 % of the run. Chunk lengths change no output (a prompt's K/V are the same however
+        it is chunked), and a static policy never lowers a depth to 0 below the scheduler's cap, so its
+        steps are unchanged.
+
+        Returns:
+            The tokens added to prompt chunks.
+        """
+        freed = 0
+        for s in scheduled:
+            if s.max_draft_depth == 0 and s.num_draft_slots > 0:
+                freed += s.num_draft_slots
+                s.num_draft_slots = s.num_forced_slots = 0
+        added = 0
+        for s in scheduled:
+            if freed <= 0:
+                break
+            req = s.request
+            if s.sample or s.num_new_tokens == 0:
+                continue
+            extra = min(freed, req.num_tokens - req.num_computed_tokens - s.num_new_tokens)
+            if extra > 0 and self.kv.allocate_slots(req, s.num_new_tokens + extra):
+                s.num_new_tokens += extra
+                s.sample = req.num_computed_tokens + s.num_new_tokens == req.num_tokens
+                freed -= extra
+                added += extra
+        return added
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stop, length or abort) and free everything it holds."""
         if request.status.finished:

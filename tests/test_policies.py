@@ -594,6 +594,33 @@ def test_greedy_output_equals_plain_decoding_under_every_policy(setup, method, p
         assert stats.num_accepted_tokens > 0
 
 
+LONG_PROMPTS = [[(3 * i + j) % 7 + 1 for j in range(9 + 3 * i)] for i in range(6)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("policy, kwargs", [("static", {"depth": 0}), ("test_varying", None)])
+def test_slots_a_policy_leaves_unused_go_to_prompt_chunks(setup, method, policy, kwargs):
+    # 6 prompts of 9-24 tokens, 32 tokens a step: prompts are chunked beside decoding requests. Draft
+    # slots the policy leaves unused lengthen this step's prompt chunks, so with depth 0 everywhere the
+    # speculative engine takes plain decoding's steps exactly (before: one more, the slots held back
+    # prompt tokens), and outputs stay plain decoding's whatever the depths.
+    common = dict(skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=32)
+    plain = LLM(setup["target"], **common)
+    base = _greedy(plain, LONG_PROMPTS)
+    llm = LLM(
+        setup["target"], speculative_config=_spec(setup, method, policy, policy_kwargs=kwargs), **common
+    )
+    added = []
+    reclaim = llm.engine.scheduler.reclaim_draft_slots
+    llm.engine.scheduler.reclaim_draft_slots = lambda scheduled: added.append(reclaim(scheduled)) or added[-1]
+    assert _greedy(llm, LONG_PROMPTS) == base
+    assert sum(added) > 0  # some chunks grew
+    if policy == "static":
+        assert llm.engine.num_steps == plain.engine.num_steps
+    else:
+        assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
 @register_policy("test_late")
 class LatePolicy:
     """No drafts until a request has written 12 tokens, then all it may."""

@@ -346,6 +346,7 @@ class LLMEngine:
             if self.policy is not None:
                 backlog = getattr(self.drafter, "draft_backlog", None)
                 apply_policy(self.policy, scheduled, self._policy_disabled, backlog)
+                self.scheduler.reclaim_draft_slots(scheduled)
             # A drafter writing the target's own KV (the quantized self-drafter) may leave non-finite K/V
             # in the request's blocks when it fails: scrubbed, as after a target fault.
             scrub = bool(getattr(self.drafter, "shares_target_kv", False))
