@@ -215,6 +215,25 @@ def test_cost_model_corrects_untried_counts_by_the_observed_ratio():
     assert frozen.target_s(1) == 0.02
 
 
+def test_a_count_observed_long_ago_follows_steps_growing_dearer():
+    from specdec.policies.cost_model import StepCostModel
+
+    # 32 requests: plain steps of 32 tokens, drafting steps of 48 early on (shorter contexts), then
+    # plain only while attention over the growing contexts makes every step dearer (1.6x -> 2.4x the
+    # profile). The 48-token steps' correction follows: they stay dearer than plain ones by about the
+    # profile's factor (1.29 here), where an absolute correction made them 0.86x a plain step (drafting
+    # looked free).
+    model = StepCostModel({32: 0.0186, 33: 0.0218, 64: 0.0263})
+    for _ in range(20):
+        model.observe(32, 0.0186 * 1.6, 0, 0.0)
+        model.observe(48, 0.0240 * 1.6, 1, 0.0)
+    assert model.target_s(48) / model.target_s(32) == pytest.approx(0.024 / 0.0186)
+    for _ in range(40):
+        model.observe(32, 0.0186 * 2.4, 0, 0.0)
+    assert model.target_s(32) == pytest.approx(0.0186 * 2.4, rel=0.05)
+    assert 1.2 < model.target_s(48) / model.target_s(32) < 0.024 / 0.0186 + 1e-9
+
+
 def test_prompt_chunks_do_not_make_untried_decode_counts_look_cheap():
     from specdec.policies.cost_model import StepCostModel
 
