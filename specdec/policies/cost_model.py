@@ -42,7 +42,6 @@ from typing import Any
 
 from specdec.errors import ConfigError
 
-
 #: A token count's own correction moves at this fraction of the drift index's rate (``decay``): a step
 #: dearer than its count's correction is taken mostly as drift, shared by every count.
 SHAPE_DECAY = 0.2
