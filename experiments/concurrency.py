@@ -18,6 +18,11 @@ all of its cells by assigning a fresh policy to ``llm.engine.policy``; its count
 A cell runs ``ceil(min_requests / c)`` rounds; a round submits ``c`` requests together (one ``generate``
 call, continuous batching; prompts taken in order, cycling through the dataset; the prefix cache emptied
 first), greedy, ``ignore_eos`` so that every request writes ``max_tokens`` and the batch stays at c.
+With ``arrivals=closed_loop`` a cell is instead ``c`` clients, each submitting its next request when
+its last one finishes (one ``generate`` call of the cell's requests, at least ``3 c``, with the
+engine's ``max_num_seqs`` lowered to c: vLLM's ``--max-concurrency``): the batch stays at c until the
+last requests, so a request that speculation finishes early makes room for the next one, where in a
+round submitted together the batch drains and the round lasts as long as its slowest request.
 Every model is warmed up once before its first cell. Plain decoding is measured beside each drafter's
 rows: per drafter and concurrency, ``repeats`` passes run plain and every row of the drafter in turn,
 the order rotated by one each pass, so that a change in the machine's load reaches them alike; a row's
@@ -171,20 +176,39 @@ def tpot_s(metrics: dict[str, Any]) -> float | None:
 
 
 def run_cell(
-    llm: Any, prompts: Sequence[Sequence[int]], concurrency: int, rounds: int, params: Any
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    concurrency: int,
+    rounds: int,
+    params: Any,
+    arrivals: str = "together",
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """``rounds`` rounds of ``concurrency`` requests submitted together (prompts in order, cycling),
-    the engine's counters summed over the rounds. Returns (the cell's measurements, every output)."""
+    the engine's counters summed over the rounds; ``arrivals="closed_loop"``: the same requests in one
+    call with at most ``concurrency`` running (the engine's ``max_num_seqs`` lowered for the call), a
+    waiting one admitted as one finishes. Returns (the cell's measurements, every output)."""
     llm.engine.reset_spec_stats()
     outputs: list[list[int]] = []
     metrics: list[dict[str, Any]] = []
     elapsed = 0.0
-    for r in range(rounds):
-        batch = [prompts[(r * concurrency + i) % len(prompts)] for i in range(concurrency)]
-        timed = time_together(llm, batch, params, reset_spec_stats=False)
-        outputs += timed.outputs
-        metrics += timed.metrics
-        elapsed += timed.time_s
+    if arrivals == "closed_loop":
+        batches = [[prompts[i % len(prompts)] for i in range(rounds * concurrency)]]
+    else:
+        batches = [
+            [prompts[(r * concurrency + i) % len(prompts)] for i in range(concurrency)] for r in range(rounds)
+        ]
+    sched = llm.engine.scheduler.config
+    max_num_seqs = sched.max_num_seqs
+    if arrivals == "closed_loop":
+        sched.max_num_seqs = min(max_num_seqs, concurrency)
+    try:
+        for batch in batches:
+            timed = time_together(llm, batch, params, reset_spec_stats=False)
+            outputs += timed.outputs
+            metrics += timed.metrics
+            elapsed += timed.time_s
+    finally:
+        sched.max_num_seqs = max_num_seqs
     tokens = sum(len(o) for o in outputs)
     tpots = [t for t in (tpot_s(m) for m in metrics) if t is not None]
     ttfts = [float(m["time_to_first_token_s"]) for m in metrics if m.get("time_to_first_token_s") is not None]
@@ -286,7 +310,7 @@ def run_drafter(
             for i in [(rep + j) % len(cells) for j in range(len(cells))]:
                 system, name, k, kwargs = cells[i]
                 if system == "plain":
-                    cell, outputs = run_cell(plain_llm, prompts, c, cfg.rounds(c), params)
+                    cell, outputs = run_cell(plain_llm, prompts, c, cfg.rounds(c), params, cfg.arrivals)
                     plain_outputs.setdefault(c, outputs)
                     passes[i].append(cell)
                     continue
@@ -294,7 +318,7 @@ def run_drafter(
                 kk = k if system == "policy" else cfg.engine_k
                 policy = DepthRecorder(_policy(name, kk, tree, kwargs), kk)
                 llm.engine.policy = policy
-                cell, outputs = run_cell(llm, prompts, c, cfg.rounds(c), params)
+                cell, outputs = run_cell(llm, prompts, c, cfg.rounds(c), params, cfg.arrivals)
                 cell["mean_depth"] = policy.mean_depth
                 cell["greedy_equal"] = outputs == plain_outputs.get(c, outputs)
                 passes[i].append(cell)

@@ -859,6 +859,10 @@ TARGET_SPEEDUP = 1.0
 TARGET_VS_ORACLE = 0.95
 
 
+#: How a concurrency cell submits its requests (:attr:`ConcurrencyConfig.arrivals`).
+ARRIVALS = ("together", "closed_loop")
+
+
 @dataclass
 class ConcurrencyConfig:
     """``python -m experiments.concurrency``: speculation policies against plain decoding and every static
@@ -888,6 +892,10 @@ class ConcurrencyConfig:
         seed: engine seed and ``torch.manual_seed``.
         repeats: timed passes of every cell (>= 1), interleaved: per drafter and concurrency, plain
             decoding and the drafter's rows run in turn, the order rotated each pass.
+        arrivals: ``together``: a cell's rounds submit ``c`` requests at once and wait for all of them
+            (the batch drains as they finish); ``closed_loop``: ``c`` clients, each submitting its next
+            request when its last one finishes (one ``generate`` call of every request of the cell
+            with at most ``c`` running: vLLM's ``--max-concurrency``), at least ``3 c`` requests a cell.
     """
 
     model: ModelConfig = MISSING
@@ -912,6 +920,7 @@ class ConcurrencyConfig:
     plots: bool = True
     seed: int = 0
     repeats: int = 1
+    arrivals: str = "together"
 
     @property
     def engine_k(self) -> int:
@@ -936,8 +945,10 @@ class ConcurrencyConfig:
         )
 
     def rounds(self, concurrency: int) -> int:
-        """Rounds of ``concurrency`` requests a cell runs: ``ceil(min_requests / concurrency)``."""
-        return -(-self.min_requests // concurrency)
+        """Rounds of ``concurrency`` requests a cell runs: ``ceil(min_requests / concurrency)`` (closed
+        loop: at least 3, so that every client's slot is refilled)."""
+        rounds = -(-self.min_requests // concurrency)
+        return max(rounds, 3) if self.arrivals == "closed_loop" else rounds
 
 
 # ------------------------------------------------------------------------------------------- train
@@ -1534,6 +1545,8 @@ def validate_concurrency_config(cfg: ConcurrencyConfig) -> None:
     for key in ("max_tokens", "min_requests", "repeats"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals must be one of {list(ARRIVALS)}, got {cfg.arrivals!r}")
     for key, given, listed, allowed in (
         ("policy_kwargs", cfg.policy_kwargs, "policies", cfg.policies),
         ("drafter_options", cfg.drafter_options, "drafters", cfg.drafters),

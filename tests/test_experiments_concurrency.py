@@ -274,6 +274,39 @@ def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu
         assert (tmp_path / name).is_file(), name
 
 
+def test_closed_loop_cells_keep_c_requests_running(hydra_conf, tiny_model_dirs, fast_cpu_settings):
+    # c clients: every request of the cell in one call, at most c running, a waiting one admitted when
+    # one finishes; at least 3 requests per client; the engine's max_num_seqs restored afterwards.
+    from experiments.concurrency import run_cell
+    from sampling.params import SamplingParams
+    from specdec import LLM
+
+    cfg = conc_cfg(CHEAP, "arrivals=closed_loop", "min_requests=2")
+    assert [cfg.rounds(c) for c in (1, 2, 4)] == [3, 3, 3]
+    assert conc_cfg(CHEAP, "min_requests=2").rounds(1) == 2
+    with pytest.raises(ValueError, match=r"arrivals must be one of \['together', 'closed_loop'\]"):
+        conc_cfg(CHEAP, "arrivals=poisson")
+    llm = LLM(tiny_model_dirs["llama-gqa3-tied"], skip_tokenizer_init=True, dtype="float32")
+    running = []
+    schedule = llm.engine.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        running.append(len(llm.engine.scheduler.running))
+        return out
+
+    llm.engine.scheduler.schedule = counting
+    prompts = [[1 + i, 2 + i, 3 + i, 4 + i] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    row, outputs = run_cell(llm, prompts, 2, 3, params, "closed_loop")
+    assert row["num_requests"] == len(outputs) == 6 and row["tokens"] == 24
+    assert max(running) == 2 and running.count(2) > len(running) // 2  # two in flight until the last
+    assert llm.engine.scheduler.config.max_num_seqs == 64
+    assert outputs[5] == outputs[0]  # prompt 5 is prompt 0 again (cycling)
+    together, _ = run_cell(llm, prompts, 2, 3, params)
+    assert together["num_requests"] == 6 and together["tokens"] == 24
+
+
 def test_plot_speedup_vs_concurrency(tmp_path):
     from experiments.concurrency import derive
     from experiments.plot import plot_speedup_vs_concurrency

@@ -381,7 +381,12 @@ def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
     # Each token costs a quarter of a step; the request's history says 90 % acceptance, but the drafts
     # granted on it are never accepted (the winner's curse, exaggerated): settled against its spec_stats,
     # the calibration falls and the policy stops drafting; without calibration it drafts on.
-    costs = {"step_s": [[n, 0.0075 + 0.0025 * n] for n in range(1, 9)], "frozen": True, "explore_every": 0}
+    costs = {
+        "step_s": [[n, 0.0075 + 0.0025 * n] for n in range(1, 9)],
+        "frozen": True,
+        "explore_every": 0,
+        "margin": 0.0,  # the calibration alone (the margin: next test)
+    }
     answers = {}
     for calibrate in (True, False):
         policy = build_policy("goodput", PolicyContext(4), {**costs, "calibrate": calibrate})
@@ -420,6 +425,26 @@ def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
         build_policy("goodput", PolicyContext(4), {"calibration_decay": 1.5})
     with pytest.raises(ConfigError, match="calibrate"):
         build_policy("goodput", PolicyContext(4), {"calibrate": "yes"})
+
+
+def test_goodput_drafts_only_by_its_margin_over_plain_decoding():
+    # One request, each token a quarter of a step (1 + 0.25 d steps for d drafts), every draft accepted
+    # with probability q: one draft's rate (1 + q) / 1.25 beats plain's 1 by 2.4 % at q = 0.28, by 4 %
+    # at q = 0.30. The default margin (3 %) drafts at 0.30 and not at 0.28; margin 0 drafts at both.
+    costs = {"step_s": [[n, 0.0075 + 0.0025 * n] for n in range(1, 9)], "frozen": True, "explore_every": 0}
+    cases = {}
+    for margin in (0.03, 0.0):
+        for q in (28, 30):
+            policy = build_policy(
+                "goodput",
+                PolicyContext(1),
+                {**costs, "calibrate": False, "prior_weight": 0.0, "margin": margin},
+            )
+            cases[margin, q] = policy.decide(_inputs([_stats([q], [100])], cap=1))[0]
+    assert cases == {(0.03, 28): 0, (0.03, 30): 1, (0.0, 28): 1, (0.0, 30): 1}
+    for bad in (-0.1, True, "0.1"):
+        with pytest.raises(ConfigError, match="margin"):
+            build_policy("goodput", PolicyContext(4), {"margin": bad})
 
 
 def test_goodput_history_is_bounded():
