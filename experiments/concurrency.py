@@ -191,16 +191,15 @@ def run_cell(
     outputs: list[list[int]] = []
     metrics: list[dict[str, Any]] = []
     elapsed = 0.0
+    sched = llm.engine.scheduler.config
+    max_num_seqs = sched.max_num_seqs
     if arrivals == "closed_loop":
         batches = [[prompts[i % len(prompts)] for i in range(rounds * concurrency)]]
+        sched.max_num_seqs = min(max_num_seqs, concurrency)
     else:
         batches = [
             [prompts[(r * concurrency + i) % len(prompts)] for i in range(concurrency)] for r in range(rounds)
         ]
-    sched = llm.engine.scheduler.config
-    max_num_seqs = sched.max_num_seqs
-    if arrivals == "closed_loop":
-        sched.max_num_seqs = min(max_num_seqs, concurrency)
     try:
         for batch in batches:
             timed = time_together(llm, batch, params, reset_spec_stats=False)

@@ -80,13 +80,7 @@ class StepCostModel:
                 raise ConfigError(f"step_s entries must be num_tokens >= 1: seconds > 0, got {n!r}: {s!r}")
             clean[n] = float(s)
         self.step_s = clean
-        # observed / base: running means per token count (with the drift index they were last updated at),
-        # and over all counts (1 until observed); the drift index; index 0 for decode / verification
-        # steps, 1 for steps with prefill chunks.
-        self._ratio: tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]]] = ({}, {})
-        self._scale = [1.0, 1.0]
-        self._drift = [1.0, 1.0]
-        self._num_observed = [0, 0]
+        self._forget_corrections()
         self._draft_given = self.draft_s_per_position != 0  # a prior to correct, not an unknown
         self._draft_buckets: dict[int, float] = {}  # drafting seconds per position, by drafting rows
         for name in ("draft_s_per_position", "catch_up_s_per_token", "prior_slope"):
@@ -103,8 +97,16 @@ class StepCostModel:
             ConfigError: as the constructor, for bad entries.
         """
         self.step_s = StepCostModel(step_s=dict(step_s)).step_s
-        self._ratio, self._scale, self._num_observed = ({}, {}), [1.0, 1.0], [0, 0]
+        self._forget_corrections()
+
+    def _forget_corrections(self) -> None:
+        # observed / base: running means per token count (with the drift index they were last updated at),
+        # and over all counts (1 until observed); the drift index; index 0 for decode / verification
+        # steps, 1 for steps with prefill chunks.
+        self._ratio: tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]]] = ({}, {})
+        self._scale = [1.0, 1.0]
         self._drift = [1.0, 1.0]
+        self._num_observed = [0, 0]
 
     def base_s(self, num_tokens: int) -> float:
         """The base curve at ``num_tokens`` (before the observed correction)."""
