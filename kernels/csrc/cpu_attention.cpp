@@ -19,8 +19,8 @@
 // over head_dim (4 rows x 32 keys per step); the values are read from the cache and widened as they are
 // summed, 4 rows at a time. Scores, softmax and the weighted sum of values are float32; float32 and bfloat16
 // caches and queries. bfloat16 caches in blocks of a multiple of 16 keys (head_dim 64 or 128, no window or
-// soft-cap) compute the scores and the softmax on AMX tiles instead where the CPU has it
-// (cpu_attention_amx.h), the weighted values as here. Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
+// soft-cap) compute the scores, the softmax and the weighted values on AMX tiles instead where the CPU has
+// it (cpu_attention_amx.h). Reference: specdec/attention/reference.py (masked SDPA / batched matmuls);
 // tests/kernels/test_cpu_attention.py compares them.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -140,7 +140,6 @@ void attend_amx(const at::BFloat16* query, int64_t q_stride, const at::BFloat16*
   at::parallel_for(0, m * KVH * chunks, 1, [&](int64_t t0, int64_t t1) {
     amx::configure();
     amx::Scratch s;
-    std::vector<int64_t> off;
     std::vector<float> acc;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / (KVH * chunks), g = task / chunks % KVH, chunk = task % chunks;
@@ -148,17 +147,11 @@ void attend_amx(const at::BFloat16* query, int64_t q_stride, const at::BFloat16*
       const auto [u0, u1] = task_rows(ql, G, chunks, chunk);
       if (u0 >= u1) continue;
       const int64_t* blocks = block_table + reqs[i] * bt_stride;
+      const uint8_t* mask = mask_offset[i] >= 0 ? masks + mask_offset[i] : nullptr;
       const int64_t Lp = amx::probabilities(bits(query), q_stride, bits(k_cache), blocks, block_size, q_start[i], ql,
-                                            L, mask_offset[i] >= 0 ? masks + mask_offset[i] : nullptr, u0, u1, H,
-                                            KVH, D, g, scale, s);
-      // The weighted values in float32 FMAs, key by key in key order, as the AVX-512 path sums them: the
-      // tiles add a pair of products in an order set by the keys' places, which would part a tree row from
-      // the decode row of its branch (tests/kernels/test_cpu_attention.py). Keys past L have weight 0.
-      off.resize(Lp);
-      for (int64_t j = 0; j < Lp; ++j)
-        off[j] = j < L ? ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D : 0;
-      acc.assign((u1 - u0) * D, 0.f);
-      weighted_rows(s.p.data(), Lp, u1 - u0, 0, v_cache, off.data(), D, acc.data());
+                                            L, mask, u0, u1, H, KVH, D, g, scale, s);
+      acc.resize(amx::kRows * D);
+      amx::weighted_values(bits(v_cache), blocks, block_size, KVH, D, g, L, Lp, ql, mask, u0, u1, G, s, acc.data());
       store_rows(acc.data(), out, q_start[i], u0, u1, G, H, g, D);
     }
     _tile_release();

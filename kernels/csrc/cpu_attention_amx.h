@@ -16,16 +16,25 @@
 //   to -inf, the maximum, e = exp(s - max) (exp16, cpu_simd.h) summed in float32 key by key (a masked key
 //   adds an exact 0, so a tree row's sum equals the decode row's of its branch to the bit), then each
 //   weight times its row's 1 / sum, transposed to the rows' order.
-// The caller sums the weighted values with the AVX-512 path's float32 FMAs, key by key: TDPBF16PS adds a
-// pair of keys' products in an order set by their places (tried: a tree row then parted from the decode
-// row of its branch, and a greedy token tree from plain decoding on 1 of 16 SmolLM2 prompts; a zero
-// partner per key did not fix it). Within one bfloat16 rounding of the float32 reference.
+// - the weighted values, also on tiles: O [rows, D] += P [rows, 32 keys] @ V [32 keys, D] per step, the
+//   probabilities split into bfloat16 hi + lo (p = hi + lo to about 2^-17, so the sum keeps float32's
+//   precision) and the values laid out as pair-interleaved B tiles. TDPBF16PS adds a pair of keys'
+//   products in an order set by their places (a tree row whose visible keys sat among masked siblings
+//   parted from the decode row of its branch, and a greedy token tree from plain decoding on 1 of 16
+//   SmolLM2 prompts), so every row's nonzero products must sit where a decode row has them: decode and
+//   chain rows (their masked keys come after the visible ones) take the keys in place; a tree row takes the
+//   context keys in place up to the last whole 32 before the new keys, then, one tree node at a time, the
+//   rest of the context and its visible new keys moved together to the places a decode row of its branch
+//   has them (the other rows' weights 0 in that step: exact zeros). A 5-token chain or a 16-node tree then
+//   costs about a decode row's attention instead of 2.5-7x it (float32 FMAs per row, the path before).
+// Within one bfloat16 rounding of the float32 reference.
 // Source: Intel Architecture Instruction Set Extensions Programming Reference, chapter 3 (AMX).
 #pragma once
 #include "cpu_gemv_amx.h"
 #include "cpu_simd.h"
-#if defined(SPECDEC_AMX) && defined(SPECDEC_AVX512)
+#if defined(SPECDEC_AMX) && defined(SPECDEC_AVX512) && defined(__AVX512BW__)
 #define SPECDEC_AMX_ATTENTION 1
+#include <algorithm>
 #include <vector>
 
 namespace specdec_cpu_amx_attention {
@@ -35,8 +44,8 @@ using specdec_cpu::transpose16;
 
 constexpr int64_t kRows = 16;  // rows per task: one tile's rows
 
-// Every tile 16 rows of 64 bytes: tiles 0-3 float32 accumulators [16, 16], the others bfloat16 operands
-// ([16, 32] A, [16 pairs, 16 x 2] B).
+// Every tile 16 rows of 64 bytes: float32 accumulators [16, 16] (scores: tile 0; values: tiles 0-3) and
+// bfloat16 operands ([16, 32] A, [16 pairs, 16 x 2] B).
 inline void configure() {
   specdec_cpu_amx::TileConfig c;
   std::memset(&c, 0, sizeof c);
@@ -61,6 +70,10 @@ struct Scratch {
   std::vector<uint16_t> qt;  // Q^T, D / 32 B tiles [16 pairs][16 rows][2]
   std::vector<float> st;     // scores then exponentials, [Lp][16 rows] (Lp: L up to a multiple of 32)
   std::vector<float> p;      // probabilities, [16 rows][Lp]
+  std::vector<uint16_t> a;   // P's A tiles for 32 keys: hi [16 rows][32], then lo [16 rows][32]
+  std::vector<uint16_t> b;   // V's B tiles for 32 keys: D / 16 of [16 pairs][16 columns][2]
+  std::vector<float> cp;     // a tree node's probabilities at its decode row's places, [16 rows][Lt]
+  std::vector<int64_t> keys; // the keys at those places
 };
 
 // S^T tiles: 16 keys x 16 rows per step, KB = D / 32 dims blocks (Q^T in tiles 1 .. KB, K in tile 5).
@@ -151,6 +164,120 @@ inline int64_t probabilities(const uint16_t* query, int64_t q_stride, const uint
     for (int n = 0; n < 16; ++n) _mm512_storeu_ps(&s.p[n * Lp + jb], r[n]);
   }
   return Lp;
+}
+
+// The A operands of rows n0 .. n1 - 1 (the others untouched): p (row stride ps floats, row n at p + n * ps)
+// at keys jb .. jb + 31, each weight split into bfloat16 hi = RNE(p) and lo = RNE(p - hi); a: hi [16][32],
+// then lo [16][32]. zero: write zeros instead (to clear the rows again).
+inline void pack_probabilities(const float* p, int64_t ps, int64_t jb, int64_t n0, int64_t n1, uint16_t* a,
+                               bool zero = false) {
+  uint16_t* lo = a + 512;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t h = 0; h < 32; h += 16) {
+      __m256i vh = _mm256_setzero_si256(), vl = vh;
+      if (!zero) {
+        const __m512 x = _mm512_loadu_ps(p + n * ps + jb + h);
+        vh = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+        const __m512 xh = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(vh), 16));
+        vl = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(x, xh)));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + n * 32 + h), vh);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + n * 32 + h), vl);
+    }
+}
+
+// The B operands of 32 keys for output columns c0 .. c0 + 63: b[c][pr][n][e] = v[key 2 pr + e][c0 + 16 c + n]
+// for c < 4, read at off[key] (element offsets of the keys' head_dim values in the cache; -1: a zero key,
+// whatever the cache holds).
+inline void pack_values(const uint16_t* v_cache, const int64_t* off, int64_t c0, uint16_t* b) {
+  alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(pairs);
+  for (int64_t pr = 0; pr < 16; ++pr) {
+    const int64_t o0 = off[2 * pr], o1 = off[2 * pr + 1];
+    for (int64_t c = 0; c < 4; ++c) {
+      const __m256i x0 = o0 >= 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_cache + o0 + c0 + 16 * c))
+                                 : _mm256_setzero_si256();
+      const __m256i x1 = o1 >= 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_cache + o1 + c0 + 16 * c))
+                                 : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
+      _mm512_storeu_si512(b + (c * 16 + pr) * 32, _mm512_permutexvar_epi16(idx, both));
+    }
+  }
+}
+
+// Accumulators (tiles 0-3, 64 output columns) += A_hi @ B + A_lo @ B (A hi in tile 4, lo in 6; B in 5, 7).
+inline void accumulate(const uint16_t* a, const uint16_t* b) {
+  _tile_loadd(4, a, 64);
+  _tile_loadd(6, a + 512, 64);
+  _tile_loadd(5, b, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_dpbf16ps(0, 6, 5);
+  _tile_loadd(7, b + 512, 64);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(1, 6, 7);
+  _tile_loadd(5, b + 1024, 64);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_dpbf16ps(2, 6, 5);
+  _tile_loadd(7, b + 1536, 64);
+  _tile_dpbf16ps(3, 4, 7);
+  _tile_dpbf16ps(3, 6, 7);
+}
+
+// acc [16 rows][D] float32 (rows past R: not meaningful) = the task's probabilities s.p [16][Lp] (from
+// probabilities()) times the values of KV head g of a request with L keys, ql of them new (tree mask or
+// causal); the task's rows are u0 .. u1 (u = r * G + h). 64 output columns at a time, their accumulators
+// in tiles 0-3 over all the keys. See the header for the places each row's keys take.
+inline void weighted_values(const uint16_t* v_cache, const int64_t* blocks, int64_t block_size, int64_t KVH,
+                            int64_t D, int64_t g, int64_t L, int64_t Lp, int64_t ql, const uint8_t* mask,
+                            int64_t u0, int64_t u1, int64_t G, Scratch& s, float* acc) {
+  const int64_t R = u1 - u0, ctx = L - ql;
+  auto key_offset = [&](int64_t j) { return ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D; };
+  s.a.assign(1024, 0);
+  s.b.resize(4 * 512);
+  int64_t off[32];
+  const int64_t shared_end = mask ? ctx / 32 * 32 : Lp;  // keys every row takes in place
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t jb = 0; jb < shared_end; jb += 32) {
+      for (int64_t c = 0; c < 32; ++c) off[c] = jb + c < L ? key_offset(jb + c) : -1;
+      pack_values(v_cache, off, c0, s.b.data());
+      pack_probabilities(s.p.data(), Lp, jb, 0, R, s.a.data());
+      accumulate(s.a.data(), s.b.data());
+    }
+    if (mask) {
+      pack_probabilities(nullptr, 0, 0, 0, R, s.a.data(), true);
+      for (int64_t n0 = 0; n0 < R;) {  // one tree node (its G heads' rows in this task) at a time
+        const int64_t r = (u0 + n0) / G;
+        int64_t n1 = n0;
+        while (n1 < R && (u0 + n1) / G == r) ++n1;
+        s.keys.clear();
+        for (int64_t j = shared_end; j < ctx; ++j) s.keys.push_back(j);
+        for (int64_t c = 0; c < ql; ++c)
+          if (mask[r * ql + c]) s.keys.push_back(ctx + c);
+        const int64_t nk = static_cast<int64_t>(s.keys.size()), Lt = (nk + 31) / 32 * 32;
+        s.cp.assign(kRows * Lt, 0.f);
+        for (int64_t n = n0; n < n1; ++n)
+          for (int64_t t = 0; t < nk; ++t) s.cp[n * Lt + t] = s.p[n * Lp + s.keys[t]];
+        for (int64_t tb = 0; tb < Lt; tb += 32) {
+          for (int64_t c = 0; c < 32; ++c) off[c] = tb + c < nk ? key_offset(s.keys[tb + c]) : -1;
+          pack_values(v_cache, off, c0, s.b.data());
+          pack_probabilities(s.cp.data(), Lt, tb, n0, n1, s.a.data());
+          accumulate(s.a.data(), s.b.data());
+        }
+        pack_probabilities(nullptr, 0, 0, n0, n1, s.a.data(), true);
+        n0 = n1;
+      }
+    }
+    const int64_t stride = D * 4;
+    _tile_stored(0, acc + c0, stride);
+    _tile_stored(1, acc + c0 + 16, stride);
+    _tile_stored(2, acc + c0 + 32, stride);
+    _tile_stored(3, acc + c0 + 48, stride);
+  }
 }
 
 }  // namespace specdec_cpu_amx_attention

@@ -74,35 +74,40 @@ def _run(backend, query, key, value, k_cache, v_cache, metadata, dtype=None, **w
     )  # fmt: skip
 
 
+def _attend_one(keys, values, queries, mask, kv_heads, head_dim, bs=16):
+    """The kernel's output for one request whose keys / values are ``keys`` / ``values`` ``[L, KVH, D]``
+    (in blocks of ``bs``) and whose new tokens' queries are ``queries`` (``mask``: their tree attention
+    mask; None: causal)."""
+    L, q = keys.shape[0], queries.shape[0]
+    blocks = -(-L // bs)
+    k_cache = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=keys.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache.view(-1, kv_heads, head_dim)[:L] = keys
+    v_cache.view(-1, kv_heads, head_dim)[:L] = values
+    out = torch.empty_like(queries)
+    one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    masks = mask.to(torch.uint8).flatten() if mask is not None else torch.empty(0, dtype=torch.uint8)
+    cpu_attention.paged_attention_short(
+        queries, k_cache, v_cache, torch.arange(blocks).view(1, -1), one(0), one(0), one(q), one(L),
+        one(0 if mask is not None else -1), masks, out, head_dim**-0.5,
+    )  # fmt: skip
+    return out
+
+
 def _assert_tree_rows_equal_their_branches(k_ctx, v_ctx, query, tree, context, kv_heads, head_dim, bs=16):
     """Run the kernel on one request whose keys are ``k_ctx`` / ``v_ctx`` (``context`` of them, then a
-    token tree's nodes, ``tree`` its mask) and assert that each node's output equals, bit for bit, the
-    kernel's output for plain decoding of its branch (the context, then its ancestors and itself, in
-    order)."""
-    dtype = k_ctx.dtype
-
-    def attend(keys, values, queries, mask):
-        L, q = keys.shape[0], queries.shape[0]
-        blocks = -(-L // bs)
-        k_cache = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype)
-        v_cache = torch.zeros_like(k_cache)
-        k_cache.view(-1, kv_heads, head_dim)[:L] = keys
-        v_cache.view(-1, kv_heads, head_dim)[:L] = values
-        out = torch.empty_like(queries)
-        one = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
-        masks = mask.to(torch.uint8).flatten() if mask is not None else torch.empty(0, dtype=torch.uint8)
-        cpu_attention.paged_attention_short(
-            queries, k_cache, v_cache, torch.arange(blocks).view(1, -1), one(0), one(0), one(q), one(L),
-            one(0 if mask is not None else -1), masks, out, head_dim**-0.5,
-        )  # fmt: skip
-        return out
-
-    tree_out = attend(k_ctx, v_ctx, query, tree)
-    for node in range(tree.shape[0]):
-        branch = [context + a for a in range(tree.shape[0]) if tree[node, a]]  # ancestors and the node
+    token tree's nodes, ``tree`` its mask; None: a chain) and assert that each node's output equals, bit
+    for bit, the kernel's output for plain decoding of its branch (the context, then its ancestors and
+    itself, in order)."""
+    n = query.shape[0]
+    tree_out = _attend_one(k_ctx, v_ctx, query, tree, kv_heads, head_dim, bs)
+    for node in range(n):
+        seen = tree[node] if tree is not None else torch.arange(n) <= node
+        branch = [context + a for a in range(n) if seen[a]]  # ancestors and the node
         keys = torch.cat([k_ctx[:context], k_ctx[branch]])
         values = torch.cat([v_ctx[:context], v_ctx[branch]])
-        assert torch.equal(tree_out[node], attend(keys, values, query[node : node + 1], None)[0]), node
+        decode = _attend_one(keys, values, query[node : node + 1], None, kv_heads, head_dim, bs)[0]
+        assert torch.equal(tree_out[node], decode), node
 
 
 _request = st.tuples(
@@ -181,17 +186,19 @@ def test_a_tree_row_equals_the_decode_row_of_its_branch_bit_for_bit(dtype, conte
 
 
 @needs_kernel
-@pytest.mark.parametrize("seed", range(4))
-def test_a_tree_row_sums_its_values_in_the_decode_rows_order(seed):
+@pytest.mark.parametrize("chain", [False, True], ids=["tree", "chain"])
+@pytest.mark.parametrize("seed,context", [(0, 21), (1, 21), (2, 45), (3, 64), (4, 300)])
+def test_a_tree_row_sums_its_values_in_the_decode_rows_order(seed, context, chain):
     """The order in which a row's weighted values are summed must not depend on where its visible keys
     sit: zero queries give every visible key the weight 1 exactly, and values of ±2^20 beside ±2^-8
     make the float32 sum depend on the order of additions (2^20 + 2^-8 - 2^20 is 0, 2^20 - 2^20 + 2^-8
     is not). A kernel that adds two keys' products in an order set by their places (AMX's TDPBF16PS
     adds a pair's odd product first) parts tree rows from decode rows here; random values rarely show
-    it (0 of 960 rows), while a greedy token tree parted from plain decoding on 1 of 16 SmolLM2 prompts."""
-    heads, kv_heads, head_dim, bs, n, context = 9, 3, 64, 16, 16, 21
+    it (0 of 960 rows), while a greedy token tree parted from plain decoding on 1 of 16 SmolLM2 prompts.
+    Chains (causal, no mask) too; contexts below, across and at a 32-key tile's edge."""
+    heads, kv_heads, head_dim, bs, n = 9, 3, 64, 16, 16
     g = torch.Generator().manual_seed(seed)
-    tree = _random_tree_mask(n, g)
+    tree = None if chain else _random_tree_mask(n, g)
     total = context + n
     big = torch.randint(0, 2, (total, kv_heads, head_dim), generator=g) * 2 - 1
     small = torch.randint(-8, 9, (total, kv_heads, head_dim), generator=g) * 2.0**-8
