@@ -1,7 +1,8 @@
-// Short-query paged attention for bfloat16 caches on Intel AMX tiles: the scores and the softmax of one
-// task of the kernel in cpu_attention.cpp (the same requests, rows, masks and outputs; see its header),
-// where the compiler targets AMX-BF16, the process has the tiles, the cache blocks hold a multiple of 16
-// keys, head_dim is 64 or 128, and there is neither a sliding window nor a score soft-cap.
+// Short-query paged attention for bfloat16 caches on Intel AMX tiles: the scores, the softmax and the
+// weighted values of one task of the kernel in cpu_attention.cpp (the same requests, rows, masks and
+// outputs; see its header), where the compiler targets AMX-BF16, the process has the tiles, the cache
+// blocks hold a multiple of 16 keys, head_dim is 64 or 128, and there is neither a sliding window nor a
+// score soft-cap.
 //
 // Why: the AVX-512 path computes every score with float32 FMAs over the keys transposed in registers, so
 // a chain of 5 (15 query rows per KV head on SmolLM2) or a 16-node tree (48) cost 2.5-7x a decode row at
@@ -25,8 +26,10 @@
 //   chain rows (their masked keys come after the visible ones) take the keys in place; a tree row takes the
 //   context keys in place up to the last whole 32 before the new keys, then, one tree node at a time, the
 //   rest of the context and its visible new keys moved together to the places a decode row of its branch
-//   has them (the other rows' weights 0 in that step: exact zeros). A 5-token chain or a 16-node tree then
-//   costs about a decode row's attention instead of 2.5-7x it (float32 FMAs per row, the path before).
+//   has them (the other rows' weights 0 in that step: exact zeros). A 5-token chain then costs 1.2-1.35x
+//   a decode row's attention instead of 1.6-1.8x, a 16-node tree 2.6-3.4x instead of 4.2-4.4x (float32
+//   FMAs per row, the path before). A weight of 0 now multiplies the value rather than skipping it: a
+//   non-finite value of a new token (a model that already overflows) reaches the rows that do not see it.
 // Within one bfloat16 rounding of the float32 reference.
 // Source: Intel Architecture Instruction Set Extensions Programming Reference, chapter 3 (AMX).
 #pragma once
@@ -34,7 +37,6 @@
 #include "cpu_simd.h"
 #if defined(SPECDEC_AMX) && defined(SPECDEC_AVX512) && defined(__AVX512BW__)
 #define SPECDEC_AMX_ATTENTION 1
-#include <algorithm>
 #include <vector>
 
 namespace specdec_cpu_amx_attention {
@@ -71,7 +73,7 @@ struct Scratch {
   std::vector<float> st;     // scores then exponentials, [Lp][16 rows] (Lp: L up to a multiple of 32)
   std::vector<float> p;      // probabilities, [16 rows][Lp]
   std::vector<uint16_t> a;   // P's A tiles for 32 keys: hi [16 rows][32], then lo [16 rows][32]
-  std::vector<uint16_t> b;   // V's B tiles for 32 keys: D / 16 of [16 pairs][16 columns][2]
+  std::vector<uint16_t> b;   // V's B tiles for 32 keys, 64 columns: 4 of [16 pairs][16 columns][2]
   std::vector<float> cp;     // a tree node's probabilities at its decode row's places, [16 rows][Lt]
   std::vector<int64_t> keys; // the keys at those places
 };
@@ -110,7 +112,7 @@ inline void scores(const uint16_t* k_cache, const int64_t* blocks, int64_t block
 // Rows u0 .. u1 (at most 16) of request (q_start, ql, L, mask) for KV head g (query [T, H, D] with token
 // stride q_stride, bfloat16 bits): their softmax probabilities over the request's L keys, into s.p [16
 // rows][Lp] float32 (rows past R and keys past L: not meaningful / 0). Returns Lp, the rows' stride. The
-// caller sums the values (the AVX-512 path's weighted_values, cpu_attention.cpp).
+// caller sums the values (weighted_values, below).
 inline int64_t probabilities(const uint16_t* query, int64_t q_stride, const uint16_t* k_cache,
                              const int64_t* blocks, int64_t block_size, int64_t q_start, int64_t ql, int64_t L,
                              const uint8_t* mask, int64_t u0, int64_t u1, int64_t H, int64_t KVH, int64_t D,
@@ -196,10 +198,11 @@ inline void pack_values(const uint16_t* v_cache, const int64_t* off, int64_t c0,
   for (int64_t pr = 0; pr < 16; ++pr) {
     const int64_t o0 = off[2 * pr], o1 = off[2 * pr + 1];
     for (int64_t c = 0; c < 4; ++c) {
-      const __m256i x0 = o0 >= 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_cache + o0 + c0 + 16 * c))
-                                 : _mm256_setzero_si256();
-      const __m256i x1 = o1 >= 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_cache + o1 + c0 + 16 * c))
-                                 : _mm256_setzero_si256();
+      auto row = [&](int64_t o) {
+        return o >= 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_cache + o + c0 + 16 * c))
+                      : _mm256_setzero_si256();
+      };
+      const __m256i x0 = row(o0), x1 = row(o1);
       const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
       _mm512_storeu_si512(b + (c * 16 + pr) * 32, _mm512_permutexvar_epi16(idx, both));
     }
@@ -232,7 +235,9 @@ inline void weighted_values(const uint16_t* v_cache, const int64_t* blocks, int6
                             int64_t D, int64_t g, int64_t L, int64_t Lp, int64_t ql, const uint8_t* mask,
                             int64_t u0, int64_t u1, int64_t G, Scratch& s, float* acc) {
   const int64_t R = u1 - u0, ctx = L - ql;
-  auto key_offset = [&](int64_t j) { return ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D; };
+  auto key_offset = [&](int64_t j) {
+    return ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+  };
   s.a.assign(1024, 0);
   s.b.resize(4 * 512);
   int64_t off[32];

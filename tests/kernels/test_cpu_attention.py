@@ -186,17 +186,26 @@ def test_a_tree_row_equals_the_decode_row_of_its_branch_bit_for_bit(dtype, conte
 
 
 @needs_kernel
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "avx512"])
+@pytest.mark.parametrize("head_dim,bs", [(64, 16), (128, 32)])
 @pytest.mark.parametrize("chain", [False, True], ids=["tree", "chain"])
 @pytest.mark.parametrize("seed,context", [(0, 21), (1, 21), (2, 45), (3, 64), (4, 300)])
-def test_a_tree_row_sums_its_values_in_the_decode_rows_order(seed, context, chain):
+def test_a_tree_row_sums_its_values_in_the_decode_rows_order(seed, context, chain, head_dim, bs, tiles):
     """The order in which a row's weighted values are summed must not depend on where its visible keys
-    sit: zero queries give every visible key the weight 1 exactly, and values of ±2^20 beside ±2^-8
+    sit: zero queries give every visible key the same weight (1 / n), and values of ±2^20 beside ±2^-8
     make the float32 sum depend on the order of additions (2^20 + 2^-8 - 2^20 is 0, 2^20 - 2^20 + 2^-8
     is not). A kernel that adds two keys' products in an order set by their places (AMX's TDPBF16PS
-    adds a pair's odd product first) parts tree rows from decode rows here; random values rarely show
-    it (0 of 960 rows), while a greedy token tree parted from plain decoding on 1 of 16 SmolLM2 prompts.
-    Chains (causal, no mask) too; contexts below, across and at a 32-key tile's edge."""
-    heads, kv_heads, head_dim, bs, n = 9, 3, 64, 16, 16
+    adds a pair's odd product first) parts tree rows from decode rows here (the tile path with a tree
+    row's keys left in place fails 4 of the 5 tree cases); random values rarely show it (0 of 960 rows),
+    while a greedy token tree parted from plain decoding on 1 of 16 SmolLM2 prompts. Chains (causal, no
+    mask) too; contexts below, across and at a 32-key tile's edge; head_dim 128 (two passes of 64 output
+    columns on the tiles); the AMX path where the CPU has it and the AVX-512 path."""
+    from kernels.cpu_ext import require_extension
+
+    ext = require_extension()
+    if tiles and not ext.has_amx():
+        pytest.skip("no AMX here")
+    heads, kv_heads, n = 9, 3, 16
     g = torch.Generator().manual_seed(seed)
     tree = None if chain else _random_tree_mask(n, g)
     total = context + n
@@ -206,7 +215,12 @@ def test_a_tree_row_sums_its_values_in_the_decode_rows_order(seed, context, chai
     v_ctx = torch.where(pick, big * 2.0**20, small).to(torch.bfloat16)
     k_ctx = torch.randn(total, kv_heads, head_dim, generator=g).to(torch.bfloat16)
     query = torch.zeros(n, heads, head_dim, dtype=torch.bfloat16)
-    _assert_tree_rows_equal_their_branches(k_ctx, v_ctx, query, tree, context, kv_heads, head_dim, bs)
+    was = ext.has_amx()
+    try:
+        ext.set_amx(tiles)
+        _assert_tree_rows_equal_their_branches(k_ctx, v_ctx, query, tree, context, kv_heads, head_dim, bs)
+    finally:
+        ext.set_amx(was)
 
 
 @needs_kernel
