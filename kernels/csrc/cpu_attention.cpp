@@ -151,7 +151,8 @@ void attend_amx(const at::BFloat16* query, int64_t q_stride, const at::BFloat16*
       const int64_t Lp = amx::probabilities(bits(query), q_stride, bits(k_cache), blocks, block_size, q_start[i], ql,
                                             L, mask, u0, u1, H, KVH, D, g, scale, s);
       acc.resize(amx::kRows * D);
-      amx::weighted_values(bits(v_cache), blocks, block_size, KVH, D, g, L, Lp, ql, mask, u0, u1, G, s, acc.data());
+      amx::weighted_values(bits(v_cache), blocks, block_size, KVH, D, g, L, Lp, ql, mask, u0, u1, G, s,
+                           acc.data());
       store_rows(acc.data(), out, q_start[i], u0, u1, G, H, g, D);
     }
     _tile_release();
@@ -230,7 +231,7 @@ void attend(const T* query, int64_t q_stride, const T* k_cache, const T* v_cache
       // Element offsets of keys / values first_key .. L - 1 of KV head g in the paged caches.
       off.resize(L - first_key);
       for (int64_t j = first_key; j < L; ++j)
-        off[j - first_key] = ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+        off[j - first_key] = kv_offset(blocks, block_size, KVH, D, g, j);
 #ifdef __AVX512F__
       // Scores as a small matrix product, 32 keys at a time: the keys widened and transposed into the
       // tile kt [D, 32] (in registers, 16 x 16 at a time, where D is a multiple of 16), then up to 4 query

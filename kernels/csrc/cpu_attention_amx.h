@@ -93,7 +93,7 @@ inline void scores(const uint16_t* k_cache, const int64_t* blocks, int64_t block
   for (int64_t jb = 0; jb < L; jb += 16) {
     // 16 keys of one block (block_size is a multiple of 16); past L they are whatever the block holds,
     // and their scores are overwritten (-inf) before use.
-    const uint16_t* kb = k_cache + ((blocks[jb / block_size] * block_size + jb % block_size) * KVH + g) * D;
+    const uint16_t* kb = k_cache + specdec_cpu::kv_offset(blocks, block_size, KVH, D, g, jb);
     _tile_zero(0);
     _tile_loadd(5, kb, stride);
     _tile_dpbf16ps(0, 5, 1);
@@ -235,9 +235,7 @@ inline void weighted_values(const uint16_t* v_cache, const int64_t* blocks, int6
                             int64_t D, int64_t g, int64_t L, int64_t Lp, int64_t ql, const uint8_t* mask,
                             int64_t u0, int64_t u1, int64_t G, Scratch& s, float* acc) {
   const int64_t R = u1 - u0, ctx = L - ql;
-  auto key_offset = [&](int64_t j) {
-    return ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
-  };
+  auto key_offset = [&](int64_t j) { return specdec_cpu::kv_offset(blocks, block_size, KVH, D, g, j); };
   s.a.assign(1024, 0);
   s.b.resize(4 * 512);
   int64_t off[32];

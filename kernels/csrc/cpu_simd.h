@@ -13,6 +13,13 @@
 #endif
 
 namespace specdec_cpu {
+// Element offset of key j's head_dim values for KV head g in a paged cache [num_blocks, block_size, KVH,
+// D], read through the request's block table row `blocks`.
+inline int64_t kv_offset(const int64_t* blocks, int64_t block_size, int64_t KVH, int64_t D, int64_t g,
+                         int64_t j) {
+  return ((blocks[j / block_size] * block_size + j % block_size) * KVH + g) * D;
+}
+
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) {
   uint32_t bits = static_cast<uint32_t>(v.x) << 16;
