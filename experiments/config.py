@@ -615,6 +615,8 @@ class EngineConfig:
             ``cpu_threads="auto"``, at most ``torch_threads``); False: a fixed count.
         grammar_backend: what compiles the ``grammar`` group's constraints: ``auto``, ``llguidance``,
             ``xgrammar`` or ``outlines`` (``specdec.LLM``'s ``grammar_backend``; :mod:`grammars.registry`).
+        huge_pages: on the CPU, move the weights onto 2 MiB pages at start-up (``specdec.LLM``'s
+            ``huge_pages="auto"``; False: leave them).
     """
 
     dtype: Dtype | None = None
@@ -636,6 +638,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     adaptive_threads: bool = True
     grammar_backend: str = "auto"
+    huge_pages: bool = True
 
     def compile_arg(self) -> dict[str, Any] | bool:
         """``specdec.LLM``'s ``compile`` argument."""
@@ -672,6 +675,7 @@ class EngineConfig:
             "cuda_graphs": self.cuda_graphs,
             "cpu_threads": "auto" if self.adaptive_threads else None,
             "grammar_backend": self.grammar_backend,
+            "huge_pages": "auto" if self.huge_pages else False,
         }
 
 

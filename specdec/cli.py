@@ -100,6 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
         cuda_graphs=args.cuda_graphs,
         cpu_threads=args.cpu_threads,
         grammar_backend=args.grammar_backend,
+        huge_pages="auto" if args.huge_pages else False,
     )
     prompts = args.prompt or ["Write a haiku about speculative decoding."]
     t0 = time.perf_counter()
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda v: v if v == "auto" else int(v),
         default="auto",
         help="intra-op threads on the CPU: auto (the cores other processes leave free) or a count",
+    )
+    g.add_argument(
+        "--no-huge-pages",
+        dest="huge_pages",
+        action="store_false",
+        help="CPU: leave the weights on the pages they have (default: moved onto 2 MiB pages at start-up)",
     )
     c = g.add_mutually_exclusive_group()
     c.add_argument(

@@ -24,6 +24,22 @@ def _step_cost_cache(tmp_path_factory):
         os.environ["SPECDEC_STEP_COSTS"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_huge_pages():
+    """Engines built by the tests leave their memory on the pages it has (``huge_pages="auto"`` reads
+    ``SPECDEC_HUGE_PAGES=0``): collapsing a SmolLM2 engine's weights costs 2-4 s, and the suite builds
+    many; tests/engine/test_huge_pages.py asks for it by name."""
+    import os
+
+    old = os.environ.get("SPECDEC_HUGE_PAGES")
+    os.environ["SPECDEC_HUGE_PAGES"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("SPECDEC_HUGE_PAGES", None)
+    else:
+        os.environ["SPECDEC_HUGE_PAGES"] = old
+
+
 TINY_CONFIGS = {
     # name: (family, heads, kv_heads, tie)
     "llama-gqa3-tied": ("llama", 6, 2, True),
