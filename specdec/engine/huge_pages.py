@@ -7,8 +7,8 @@ place: the addresses stay, so the C++ decode stacks' references to the weights s
 transparent huge pages are in ``madvise`` mode (this project's host), nothing gets them unless asked:
 ``AnonHugePages`` was 0 kB in an engine process.
 
-Measured on this project's 2-core host (docs/engine.md has the commands): ``torch.sum`` over 320 MB of
-float32 22 → 30-32 GB/s. Two engines in one process, held-out prompts, bfloat16, batch 1, passes
+Measured on this project's 2-core host (docs/engine.md#huge-pages-for-the-weights): ``torch.sum`` over
+320 MB of float32 22 → 30-32 GB/s. Two engines in one process, held-out prompts, bfloat16, batch 1, passes
 interleaved, one on 4 KiB pages and one with its weights and their packed copies collapsed (0.55 GB in
 1.8-3.8 s at start-up): plain decoding SmolLM2-135M 77.3 → 79.1 and 73.7 → 75.1 tok/s (+2 %), int8
 self-drafting 78.6 → 86.3 tok/s (+10 %: its draft steps stream int8 codes, whose kernel gained most).
