@@ -62,3 +62,14 @@ def test_an_engine_on_huge_pages_decodes_the_same_tokens(tmp_path):
             assert llm.huge_pages.collapsed_bytes + llm.huge_pages.refused_bytes >= 2 * HUGE_PAGE
     assert outs[True] == outs[False]
     assert all(len(o) == 16 for o in outs[True])
+
+
+def test_the_cli_and_hydra_turn_it_off_by_name():
+    from experiments.config import EngineConfig, ModelConfig
+    from specdec.cli import build_parser
+
+    assert build_parser().parse_args(["generate"]).huge_pages is True
+    assert build_parser().parse_args(["generate", "--no-huge-pages"]).huge_pages is False
+    model = ModelConfig("m")
+    assert EngineConfig().llm_kwargs(model)["huge_pages"] == "auto"
+    assert EngineConfig(huge_pages=False).llm_kwargs(model)["huge_pages"] is False
