@@ -124,7 +124,8 @@ def run(cfg: BenchEngineConfig) -> dict[str, Any]:
     llm = LLM(model_dir, dtype=cfg.dtype, device="cpu")
     # Bytes one batch-1 decode step reads (the calculator's count: every layer, the LM head, one row).
     weight_bytes = step_weight_bytes(llm.engine.model_cfg, dtype)[2]
-    bandwidth = measure_read_bandwidth()
+    # The floor's buffer on the pages the engine's weights are on (huge pages unless turned off).
+    bandwidth = measure_read_bandwidth(huge_pages=llm.huge_pages is not None and not llm.huge_pages.reason)
     floor_s = weight_bytes / bandwidth
     result: dict[str, Any] = {
         "model": cfg.model,

@@ -123,11 +123,17 @@ class MemoryEstimate:
 
 
 def measure_read_bandwidth(
-    num_bytes: int = GIB, repeats: int = 5, device: str | torch.device = "cpu"
+    num_bytes: int = GIB, repeats: int = 5, device: str | torch.device = "cpu", huge_pages: bool = False
 ) -> float:
     """Best-of-``repeats`` streaming read bandwidth in bytes/s: ``torch.sum`` over ``num_bytes`` of
-    float32 (the same measurement as ``experiments.bench``)."""
+    float32 (the same measurement as ``experiments.bench``). ``huge_pages``: the CPU buffer on 2 MiB pages
+    first, as an engine's weights are (:mod:`specdec.engine.huge_pages`; 22 → 28-32 GB/s on this
+    project's host)."""
     x = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32, device=device)
+    if huge_pages and x.device.type == "cpu":
+        from specdec.engine.huge_pages import collapse_tensors
+
+        collapse_tensors([x])
     x.sum()
     best = float("inf")
     for _ in range(repeats):

@@ -200,5 +200,6 @@ def test_bad_arguments_are_rejected(tiny_model_dirs):
             estimate(d, **{"bandwidth_bytes_per_s": BANDWIDTH, **kwargs})
 
 
-def test_measure_read_bandwidth_is_positive():
-    assert measure_read_bandwidth(num_bytes=1 << 24, repeats=2) > 0
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_measure_read_bandwidth_is_positive(huge_pages):
+    assert measure_read_bandwidth(num_bytes=1 << 24, repeats=2, huge_pages=huge_pages) > 0

@@ -89,7 +89,9 @@ class DraftVocab:
                 self.weight, None, quantization.method, quantization.resolved_group_size, self.dtype,
                 self.weight.device, quantization.kernel, quantization.zero_point,
             )  # fmt: skip
-            self.weight = self.weight[:0]  # the dense copy is not kept (the whole vocabulary's: 56 MB)
+            # The dense copy is not kept (the whole vocabulary's: 56 MB): a fresh empty tensor, not a
+            # view, which would keep it alive.
+            self.weight = self.weight.new_empty((0, self.weight.shape[1]))
 
     def __len__(self) -> int:
         return len(self.ids)

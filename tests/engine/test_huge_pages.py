@@ -8,7 +8,8 @@ import torch
 
 from sampling.params import SamplingParams
 from specdec import LLM
-from specdec.engine.huge_pages import HUGE_PAGE, check_huge_pages, collapse_tensors, wanted
+from specdec.engine import huge_pages
+from specdec.engine.huge_pages import HUGE_PAGE, check_huge_pages, collapse_engine, collapse_tensors, wanted
 from specdec.errors import ConfigError
 from tests.conftest import make_tiny_hf_model
 
@@ -28,6 +29,40 @@ def test_collapse_keeps_every_byte_and_address():
     assert stats.collapsed_bytes + stats.refused_bytes == windows * HUGE_PAGE
 
 
+def test_opaque_and_small_tensors_are_skipped_without_error():
+    opaque = torch.randn(1024, 1024).to_mkldnn()  # oneDNN's own layout: no plain storage to ask for
+    stats = collapse_tensors([opaque, torch.ones(16)])
+    assert stats.storages == 0 and stats.collapsed_bytes == 0 and stats.refused_bytes == 0
+
+
+def test_it_never_raises_and_says_why(monkeypatch):
+    t = torch.ones(HUGE_PAGE // 2)  # 2 huge pages of float32 at least partly
+    monkeypatch.setattr(huge_pages, "_unavailable", lambda: "")
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: None)  # a C library without madvise
+    assert collapse_tensors([t]).reason == "no madvise in the C library"
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda addr, n, advice: -1)
+    monkeypatch.setattr(huge_pages, "_errno", lambda: 22)  # EINVAL: a kernel before 6.1
+    stats = collapse_tensors([t])
+    assert "MADV_COLLAPSE" in stats.reason and stats.collapsed_bytes == 0
+    monkeypatch.setattr(huge_pages, "_errno", lambda: 11)  # EAGAIN: memory it cannot compact now
+    stats = collapse_tensors([t])
+    assert stats.reason == "" and stats.refused_bytes >= HUGE_PAGE and stats.collapsed_bytes == 0
+    assert "AttributeError" in collapse_engine(object()).reason  # anything unexpected: reported, not raised
+
+
+def test_the_walk_takes_weights_and_packed_copies_not_kv_caches():
+    from types import SimpleNamespace
+
+    linear = torch.nn.Linear(4, 4)
+    linear.packed = torch.zeros(4, 4)  # a packed copy held as a plain attribute
+    kv = (torch.zeros(8), torch.zeros(8))
+    draft_runner = SimpleNamespace(model=torch.nn.Linear(2, 2), kv_caches=[(torch.zeros(8), torch.zeros(8))])
+    drafter = SimpleNamespace(head=linear, kv_cache=kv, runner=draft_runner, states={"r": torch.zeros(3)})
+    found = {id(t) for t in huge_pages._tensors_in(drafter, set(), 4)}
+    assert {id(linear.weight), id(linear.bias), id(linear.packed), id(draft_runner.model.weight)} <= found
+    assert not found & {id(t) for t in (*kv, *draft_runner.kv_caches[0])}
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, None, "on"])
 def test_a_bad_setting_is_a_config_error_naming_the_field(bad, tmp_path):
     with pytest.raises(ConfigError, match="huge_pages"):
@@ -40,6 +75,9 @@ def test_auto_follows_the_environment_and_the_device(monkeypatch):
     monkeypatch.setenv("SPECDEC_HUGE_PAGES", "0")
     assert not wanted("auto", torch.device("cpu"))
     assert wanted(True, torch.device("cpu"))
+    for off in ("false", "OFF", "no"):
+        monkeypatch.setenv("SPECDEC_HUGE_PAGES", off)
+        assert not wanted("auto", torch.device("cpu"))
     monkeypatch.setenv("SPECDEC_HUGE_PAGES", "1")
     assert wanted("auto", torch.device("cpu"))
     assert not wanted(False, torch.device("cpu"))
