@@ -148,16 +148,23 @@ def _storage_span(t: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+def _errno() -> int:
+    """The ``errno`` of the last ``madvise`` call (a seam for the tests)."""
+    return ctypes.get_errno()
+
+
 def collapse_tensors(tensors: Iterable[torch.Tensor]) -> HugePageStats:
     """Put the CPU tensors' storages on huge pages, now and in place.
 
-    Every 2 MiB-aligned window that a distinct storage of at least :data:`MIN_STORAGE` bytes touches is
-    marked ``MADV_HUGEPAGE`` (later faults there get huge pages) and collapsed with ``MADV_COLLAPSE``,
-    once however many tensors view it. Most of a model's weights are 0.3-2 MiB tensors that the allocator
-    packs into its heap, so whole windows hold several of them (SmolLM2-135M: 552 MB of windows for its
-    weights and their packed copies, 270 MB each, against 191 MB when only windows inside one storage were
-    taken); a window that crosses into an unmapped or file-backed range is refused by the kernel and
-    stays as it was. Raises nothing: refusals are counted in ``refused_bytes``.
+    Every :data:`HUGE_PAGE`-aligned window that a distinct storage of at least :data:`MIN_STORAGE` bytes
+    touches is marked ``MADV_HUGEPAGE`` (later faults there get huge pages) and collapsed with
+    ``MADV_COLLAPSE``, once however many tensors view it. Most of a model's weights are 0.3-2 MiB tensors
+    that the allocator packs into its heap, so whole windows hold several of them (SmolLM2-135M: 552 MB of
+    windows for its weights and their packed copies, 270 MB each, against 191 MB when only windows inside
+    one storage were taken). A window the kernel does not collapse (part of it unmapped, memory it cannot
+    compact now, a mapping that cannot take huge pages) keeps its pages, though the part ``MADV_HUGEPAGE``
+    marked may be collapsed later by the kernel's background thread. Raises nothing: refusals are counted
+    in ``refused_bytes``.
     """
     stats = HugePageStats()
     stats.reason = _unavailable()
@@ -189,10 +196,6 @@ def collapse_tensors(tensors: Iterable[torch.Tensor]) -> HugePageStats:
         stats.reason = "the kernel does not collapse on request (MADV_COLLAPSE needs Linux 6.1)"
     stats.seconds = time.perf_counter() - start_time
     return stats
-
-
-def _errno() -> int:
-    return ctypes.get_errno()
 
 
 def _tensors_in(obj: Any, seen: set[int], depth: int) -> Iterator[torch.Tensor]:
