@@ -10,7 +10,9 @@ Methods (greedy, SmolLM2-135M-Instruct by default, one request at a time):
 - ``eagle3`` / ``eagle3-tree``: our EAGLE-3 head, the same chain / tree;
 - ``hybrid-eagle``: the hybrid drafter over the EAGLE head (reduced vocabulary), suffix decoding and
   prompt lookup;
-- any other registered drafter, by its name: a chain of 4 (:func:`method_spec`).
+- any other registered drafter, by its name: a chain of 4 (:func:`method_spec`);
+- your own rows (``extra_methods``: a name -> its ``speculative_config``), e.g. a head you trained, beside
+  the shipped one in the same run.
 
 Per method: tokens/s, speedup over our plain decoding and over transformers, τ (tokens emitted per
 target forward), acceptance per position (the fraction of draft steps whose draft at depth i was
@@ -25,6 +27,8 @@ past EOS a model writes text no drafter was trained on, so ``ignore_eos=true`` (
     python -m experiments.bench_drafters prompts=specbench per_category=3 max_tokens=96
     python -m experiments.bench_drafters prompts=fresh limit=16 'methods=[plain,eagle,eagle3]'
     python -m experiments.bench_drafters 'methods=[plain,ngram,eagle]' out=drafters.json plot=drafters.png
+    python -m experiments.bench_drafters 'methods=[plain,eagle3,mine]' \
+        '+extra_methods.mine={method: eagle3, num_speculative_tokens: 4, model: /path/to/heads}'
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from experiments.harness import (
     hf_generate,
     measure_batch1,
     require_choice,
+    require_extra_methods,
     require_positive,
     require_subset,
 )
@@ -125,7 +130,10 @@ class BenchDraftersConfig(HarnessConfig):
     max_tokens: new tokens per request at most.
     dtype: float32, bfloat16 or float16.
     ignore_eos: generate ``max_tokens`` tokens per prompt, past EOS.
-    methods: rows of :data:`METHODS` or registered drafter names (a chain of 4).
+    methods: rows of :data:`METHODS`, registered drafter names (a chain of 4), or ``extra_methods``' names.
+    extra_methods: more rows, a name -> its ``speculative_config`` (``{model}`` in its strings replaced
+        by the target's name); a name may not be one of :data:`METHODS` or a registered drafter's, and every
+        row is checked by :class:`~specdec.config.SpeculativeConfig` before any work.
     plot: PNG of acceptance per position (and τ per category).
     """
 
@@ -138,6 +146,7 @@ class BenchDraftersConfig(HarnessConfig):
     dtype: str = "bfloat16"
     ignore_eos: bool = False
     methods: list[str] = field(default_factory=lambda: list(METHODS))
+    extra_methods: dict[str, Any] = field(default_factory=dict)
     plot: str | None = None
 
     def validate(self) -> None:
@@ -145,17 +154,21 @@ class BenchDraftersConfig(HarnessConfig):
         require_choice("prompts", self.prompts, ("heldout", "specbench", "fresh"))
         require_choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         require_positive(self, "limit", "per_category", "max_tokens")
-        require_subset("methods", self.methods, method_names())
+        names = method_names()
+        require_extra_methods(self.extra_methods, names)
+        require_subset("methods", self.methods, [*names, *self.extra_methods])
 
 
-def method_spec(name: str, model: str = "") -> dict[str, Any] | None:
-    """The ``speculative_config`` of a ``methods`` name: a row of :data:`METHODS` (``{model}`` in its
-    strings replaced by ``model``), else any registered drafter (:func:`specdec.drafters.drafter_names`) as
-    a chain of 4."""
+def method_spec(
+    name: str, model: str = "", extra: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any] | None:
+    """The ``speculative_config`` of a ``methods`` name: a row of :data:`METHODS` or of ``extra`` (the
+    config's ``extra_methods``; ``{model}`` in their strings replaced by ``model``), else any registered
+    drafter (:func:`specdec.drafters.drafter_names`) as a chain of 4."""
     from specdec.drafters.registry import drafter_names
 
-    if name in METHODS:
-        row = METHODS[name]
+    if name in METHODS or (extra and name in extra):
+        row = METHODS[name] if name in METHODS else dict((extra or {})[name])
         return (
             None
             if row is None
@@ -227,7 +240,7 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     from specdec.config import SpeculativeConfig
     from specdec.zoo import resolve_model
 
-    specs = {name: method_spec(name, cfg.model) for name in cfg.methods}
+    specs = {name: method_spec(name, cfg.model, cfg.extra_methods) for name in cfg.methods}
     for spec in specs.values():  # every method's settings checked before any work
         if spec is not None:
             SpeculativeConfig.from_any(spec)
@@ -325,6 +338,12 @@ def format_table(result: dict[str, Any]) -> str:
         for c in cats:
             cells = [f"{rows[n]['tau_per_category'].get(c, float('nan')):.2f}" for n in names]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    for name, r in rows.items():
+        if r.get("oracle_tau") is not None:
+            chosen = ", ".join(f"{m} {n}" for m, n in r.get("members_chosen", {}).items())
+            lines.append(
+                f"{name}: oracle τ {r['oracle_tau']:.2f} (the best member per step, in hindsight); {chosen}"
+            )
     return "\n".join(lines)
 
 

@@ -9,6 +9,8 @@ per step in hindsight). Skipped (an empty result and a message) when the shared 
 absent.
 
     python -m experiments.bench_multiturn limit=3 turns=3 max_tokens=96 out=multiturn.json
+    python -m experiments.bench_multiturn 'methods=[plain,ngram,suffix16]' \
+        '+extra_methods.suffix16={method: suffix, num_speculative_tokens: 16}'
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from experiments.harness import HarnessConfig, benchmark, require_positive, require_subset
+from experiments.harness import (
+    HarnessConfig,
+    benchmark,
+    require_extra_methods,
+    require_positive,
+    require_subset,
+)
 from experiments.multiturn import DEFAULT_HUMANEVAL, Conversation, load_multiturn, next_messages
 from specdec.errors import ConfigError
 
@@ -101,7 +109,10 @@ class BenchMultiturnConfig(HarnessConfig):
         limit: HumanEval problems used (conversations per kind).
         turns: turns per conversation.
         max_tokens: new tokens per turn at most.
-        methods: of :data:`METHODS`, ``plain`` first (the speedups' and exactness's baseline).
+        methods: of :data:`METHODS` or ``extra_methods``, ``plain`` first (the speedups' and exactness's
+            baseline).
+        extra_methods: more rows, a name -> its ``speculative_config`` (another k, another budget); a name
+            may not be one of :data:`METHODS`.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -110,22 +121,30 @@ class BenchMultiturnConfig(HarnessConfig):
     turns: int = 3
     max_tokens: int = 96
     methods: list[str] = field(default_factory=lambda: list(METHODS))
+    extra_methods: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         super().validate()
         require_positive(self, "limit", "turns", "max_tokens")
-        require_subset("methods", self.methods, METHODS)
+        require_extra_methods(self.extra_methods, METHODS)
+        require_subset("methods", self.methods, [*METHODS, *self.extra_methods])
         if self.methods[:1] != ["plain"]:
             raise ConfigError(f"methods must start with plain (the baseline), got {self.methods}")
 
 
 def run(cfg: BenchMultiturnConfig) -> dict[str, Any]:
     """Every method of ``cfg.methods`` on the conversations; per method its figures (outputs left out)."""
+    from specdec.config import SpeculativeConfig
+
+    specs = {m: METHODS[m] if m in METHODS else dict(cfg.extra_methods[m]) for m in cfg.methods}
+    for spec in specs.values():  # every method's settings checked before any work
+        if spec is not None:
+            SpeculativeConfig.from_any(spec)
     if not Path(cfg.humaneval).exists():
         print(f"skipped: no HumanEval file at {cfg.humaneval}", file=sys.stderr)
         return {}
     convs = load_multiturn(cfg.humaneval, cfg.limit, cfg.turns)
-    results = {m: run_method(cfg.model, METHODS[m], convs, cfg.max_tokens) for m in cfg.methods}
+    results = {m: run_method(cfg.model, specs[m], convs, cfg.max_tokens) for m in cfg.methods}
     base = results["plain"]
     for r in results.values():
         r["exact"] = r["outputs"] == base["outputs"]

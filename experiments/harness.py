@@ -113,6 +113,20 @@ def require_subset(key: str, values: Sequence[str], choices: Iterable[str]) -> N
         raise ConfigError(f"{key} must be a non-empty subset of {options}, got {list(values)}{detail}")
 
 
+def require_extra_methods(extra: dict[str, Any], names: Iterable[str]) -> None:
+    """``ConfigError`` unless every row of a benchmark's ``extra_methods`` (a name -> its
+    ``speculative_config``) has a name none of ``names`` (the built-in rows) has and a ``method``; the
+    rows' settings are checked by :class:`~specdec.config.SpeculativeConfig` before any work."""
+    taken = set(names)
+    for name, row in extra.items():
+        if name in taken:
+            raise ConfigError(f"extra_methods: {name!r} is already a method; name your row otherwise")
+        if not isinstance(row, dict) or not row.get("method"):
+            raise ConfigError(
+                f"extra_methods.{name} must be a speculative_config with a 'method', got {row!r}"
+            )
+
+
 # ----------------------------------------------------------------------------------------- harness
 C = TypeVar("C", bound=HarnessConfig)
 
@@ -418,17 +432,30 @@ def measure_batch1(
     **llm_kwargs)``: warm-up (``warmup``, default the first prompt), then :func:`time_batch1`.
 
     Returns:
-        ``({"tokens", "time_s", "tokens_per_s", **spec_stats_fields}, the Timed run)``.
+        ``({"tokens", "time_s", "tokens_per_s", **spec_stats_fields}, the Timed run)``; with a drafter that
+        reports an oracle (the hybrid, :meth:`~specdec.drafters.hybrid.HybridDrafter.report`), also
+        ``oracle_tau`` (its best member per step in hindsight) and ``members_chosen`` (steps each member
+        drafted), over the timed prompts only.
     """
     from sampling.params import SamplingParams
     from specdec import LLM
 
     llm = LLM(str(model), dtype=dtype, speculative_config=spec, **llm_kwargs)
     warm_up(llm, prompts[0] if warmup is None else warmup)
+    report = getattr(llm.engine.drafter, "report", None)
+    before = report() if report is not None else None
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     timed = time_batch1(llm, prompts, sp)
     row: dict[str, Any] = {"tokens": timed.tokens, "time_s": timed.time_s, "tokens_per_s": timed.tokens_per_s}
     row.update(spec_stats_fields(llm))
+    if report is not None and before is not None:
+        after = report()
+        steps = after["oracle_steps"] - before["oracle_steps"]
+        accepted = after["oracle_accepted_tokens"] - before["oracle_accepted_tokens"]
+        row["oracle_tau"] = 1 + accepted / steps if steps else None
+        row["members_chosen"] = {
+            m: s["num_chosen"] - before["members"][m]["num_chosen"] for m, s in after["members"].items()
+        }
     del llm
     free_memory()
     return row, timed

@@ -237,6 +237,15 @@ def test_batch1_timing_equals_llm_generate(tiny_model_dirs, fast_cpu_settings):
     assert spec.outputs == expected  # greedy speculation is exact
     assert row["tau"] >= 1.0 and len(row["acceptance_per_position"]) == 3
     assert {"acceptance_rate", "draft_tokens_per_step", "draft_time_s", "verify_time_s"} <= set(row)
+    assert "oracle_tau" not in row  # only a drafter with an oracle reports one
+    # The hybrid: its oracle (best member per step in hindsight) over the timed prompts, never below τ.
+    hybrid = {"method": "hybrid", "num_speculative_tokens": 3}
+    row, spec = measure_batch1(
+        d, hybrid, prompts, 8, dtype="float32", ignore_eos=True, skip_tokenizer_init=True
+    )
+    assert spec.outputs == expected
+    assert set(row["members_chosen"]) == {"suffix", "ngram"} and sum(row["members_chosen"].values()) > 0
+    assert row["oracle_tau"] >= row["tau"] - 1e-9
 
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     hf_timed = hf_batch1(hf, prompts, 8, ForwardCounter(hf), ignore_eos=True, pad_token_id=0)
@@ -302,3 +311,36 @@ def test_bench_drafters_checks_every_method_before_any_work(monkeypatch):
     with pytest.raises(ConfigError, match="quantized_self' needs quantization"):
         bench_drafters.run(cfg)
     assert bench_drafters.method_spec("quantized-int8")["quantization"] == "int8"
+
+
+def test_bench_drafters_extra_methods(monkeypatch):
+    """``extra_methods`` adds named rows (a head of your own beside the shipped one): the row's
+    ``speculative_config`` is used as given, ``{model}`` filled in; a clash with a built-in name, a row
+    without a method and a wrong setting are ConfigErrors before any work."""
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the methods were checked")
+
+    monkeypatch.setattr(bench_drafters, "load_prompts", no_work)
+    mine = "+extra_methods.mine={method: eagle3, num_speculative_tokens: 3, model: /tmp/heads/x-eagle3}"
+    cfg = bench_drafters.main.config(["methods=[plain,eagle3,mine]", mine])
+    assert cfg.methods == ["plain", "eagle3", "mine"]
+    assert bench_drafters.method_spec("mine", cfg.model, cfg.extra_methods) == {
+        "method": "eagle3",
+        "num_speculative_tokens": 3,
+        "model": "/tmp/heads/x-eagle3",
+    }
+    vocab = "+extra_methods.v={method: eagle, num_speculative_tokens: 4, draft_vocab: '{model}-eagle3'}"
+    cfg = bench_drafters.main.config(["methods=[plain,v]", vocab])
+    assert bench_drafters.method_spec("v", "tiny", cfg.extra_methods)["draft_vocab"] == "tiny-eagle3"
+    with pytest.raises(ConfigError, match="'eagle' is already a method"):
+        bench_drafters.main.config(["+extra_methods.eagle={method: eagle}"])
+    with pytest.raises(ConfigError, match=r"extra_methods\.x must be a speculative_config"):
+        bench_drafters.main.config(["+extra_methods={x: {num_speculative_tokens: 4}}"])
+    with pytest.raises(ConfigError, match="unknown: \\['mine'\\]"):
+        bench_drafters.main.config(["methods=[plain,mine]"])
+    cfg = bench_drafters.main.config(
+        ["methods=[plain,bad]", "+extra_methods.bad={method: eagle3, num_speculative_tokens: 0}"]
+    )
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        bench_drafters.run(cfg)

@@ -66,6 +66,15 @@ def test_benchmarks_take_typed_configs_and_run_without_a_model(tmp_path):
         bench_multiturn.main.config(["methods=[plain,eagle9]"])
     with pytest.raises(ConfigError, match="turns must be >= 1"):
         bench_multiturn.main.config(["turns=0"])
+    # Rows of your own (another k): named, checked before any work, a clash with a built-in name refused.
+    k16 = "+extra_methods.suffix16={method: suffix, num_speculative_tokens: 16}"
+    cfg = bench_multiturn.main.config(["methods=[plain,ngram,suffix16]", k16])
+    assert cfg.extra_methods == {"suffix16": {"method": "suffix", "num_speculative_tokens": 16}}
+    with pytest.raises(ConfigError, match="'ngram' is already a method"):
+        bench_multiturn.main.config(["+extra_methods.ngram={method: ngram}"])
+    bad = "+extra_methods.bad={method: suffix, num_speculative_tokens: 0}"
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):  # before HumanEval is looked for
+        bench_multiturn.main(["methods=[plain,bad]", bad, f"humaneval={tmp_path / 'absent.jsonl.gz'}"])
     skipped = bench_multiturn.main([f"humaneval={tmp_path / 'absent.jsonl.gz'}"])
     assert {k for k in skipped if k != "run_info"} == set()  # a missing file: nothing run
     with pytest.raises(ConfigError, match="accept must be >= 0"):
