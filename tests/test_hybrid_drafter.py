@@ -94,3 +94,27 @@ def test_a_tree_member_is_counted_by_its_depth():
     assert proposal is tree and req.drafter_metrics["suffix"].num_draft_tokens == 2
     assert draft_depth(tree) == 3 and draft_depth(DraftProposal([1, 2])) == 2
     assert draft_depth(DraftProposal([1, 2], parents=[-1, 5])) == 0  # malformed: the engine drops it
+
+
+def test_an_unchosen_member_is_credited_what_later_tokens_confirm(toy):
+    """A step commits the chosen member's accepted drafts and one more token, so an unchosen member's
+    proposal that those tokens confirm stays open: when later steps confirm more of it, its running score
+    grows by the growth times that term's weight (exact EMA arithmetic, decay 0.7), and it closes once a
+    token contradicts it or it is confirmed to its depth."""
+    hybrid = _hybrid([toy, "ngram"])
+    req = Request("c", [5, 6, 4, 5, 6], SamplingParams(temperature=0, max_tokens=20), 0)
+    # Step 1: both unscored, the toy (listed first) drafts [7, 8, 9]; n-gram would have [4, 5, 6].
+    (proposal,) = hybrid.propose([DraftInput(req, 1, 3)])
+    assert proposal.token_ids == [7, 8, 9]
+    _verify(hybrid, req, proposal, [4])  # its first draft rejected: one token committed
+    # Step 2: toy 0, n-gram 1 so far (its [4, 5, 6] confirmed to the one committed token: open).
+    (proposal,) = hybrid.propose([DraftInput(req, 1, 3)])
+    state = hybrid.states["c"]
+    assert state.scores == [0.0, 1.0] and [(o.member, o.got, o.weight) for o in state.open] == [(1, 1, 1.0)]
+    assert proposal.token_ids == [5, 6, 4]  # n-gram drafts
+    _verify(hybrid, req, proposal, [5, 6, 4, 5])  # all three accepted, then 5
+    # Step 3: step 1's n-gram proposal is now confirmed to its depth (3, not 1: +2 at weight 1), then
+    # step 2 is scored: n-gram 0.7 * 3 + 0.3 * 3, the toy's [5, 6, 7] 0.7 * 0 + 0.3 * 2.
+    hybrid.propose([DraftInput(req, 1, 3)])
+    assert state.scores == pytest.approx([0.6, 3.0])  # without the growth n-gram would score 1.6
+    assert state.open == []  # both closed: confirmed to depth, or contradicted

@@ -7,10 +7,13 @@ head, loaded from ``model`` or the target's built-in head, costs its draft step)
 per request: that of the member
 with the highest running score among those that proposed something. After the step, every member's
 proposal is scored in hindsight against the tokens the step committed: a chain scores its longest prefix
-equal to them, a tree its longest root path (an unchosen member is credited at most the tokens the step
-committed, one more than the chosen member's accepted drafts). A request's score per member is an
-exponential moving average of those scores (decay :data:`DECAY`); before any, members are tried in
-their configured order.
+equal to them, a tree its longest root path. A request's score per member is an exponential moving
+average of those scores (decay :data:`DECAY`); before any, members are tried in their configured order.
+A proposal that every token committed so far confirms stays open: as later steps commit more tokens its
+hindsight score grows, and the growth is added to the running score with the weight that score's term
+has by then (a step commits only the chosen member's accepted drafts and one more token, so without this
+an unchosen member that would have had 4 drafts accepted where the chosen one had 0 was credited 1: the
+member drafting held its place against a better copier).
 
 Exactness: the member is chosen from committed tokens only, before the step's drafts are verified, and
 every member is deterministic, so whichever member drafts, the exact verifier keeps the target's
@@ -119,10 +122,21 @@ class _Step:
 
 
 @dataclass
+class _Open:
+    """A member's scored proposal that every committed token so far confirms: its score may still grow."""
+
+    step: _Step
+    member: int
+    got: int  # its hindsight score so far, in the member's running score
+    weight: float  # that term's weight in the running score now (DECAY per later update)
+
+
+@dataclass
 class _HybridState:
     scores: list[float | None]
     pending: _Step | None = None  # scored at the next proposal (or when the request ends)
     history: list[_Step] = field(default_factory=list)  # for the oracle, scored at the end
+    open: list[_Open] = field(default_factory=list)  # each closes within k steps: at most members x k
 
 
 @register_drafter(
@@ -174,7 +188,23 @@ class HybridDrafter(DrafterBase):
             request.drafter_metrics = {n: MemberStats() for n in self.names}
         return state
 
+    def _refresh_open(self, request: Request, state: _HybridState) -> None:
+        """Grow the open proposals' scores by what the tokens committed since confirm; close those a
+        token contradicts or that are confirmed to their depth."""
+        still = []
+        for o in state.open:
+            committed = request.token_ids[o.step.position :]
+            proposal = o.step.proposals[o.member]
+            got = accepted_length(proposal, committed)
+            if got > o.got:
+                state.scores[o.member] = (state.scores[o.member] or 0.0) + o.weight * (got - o.got)
+                o.got = got
+            if got == len(committed) and got < draft_depth(proposal):
+                still.append(o)
+        state.open = still
+
     def _score_pending(self, request: Request, state: _HybridState) -> None:
+        self._refresh_open(request, state)
         step = state.pending
         if step is None:
             return
@@ -186,6 +216,11 @@ class HybridDrafter(DrafterBase):
             got = accepted_length(proposal, committed)
             old = state.scores[i]
             state.scores[i] = got if old is None else DECAY * old + (1 - DECAY) * got
+            for o in state.open:
+                if o.member == i:
+                    o.weight *= DECAY
+            if got == len(committed) and got < draft_depth(proposal):
+                state.open.append(_Open(step, i, got, 1.0 if old is None else 1 - DECAY))
             if i == step.chosen and not step.counted:  # the request's last step: no on_verified
                 self._count_accepted(request, i, min(got, len(committed)))
 
