@@ -45,6 +45,7 @@ from experiments.harness import (
     ForwardCounter,
     HarnessConfig,
     benchmark,
+    check_speculative_configs,
     hf_batch1,
     hf_generate,
     measure_batch1,
@@ -167,8 +168,9 @@ def method_spec(
     drafter (:func:`specdec.drafters.drafter_names`) as a chain of 4."""
     from specdec.drafters.registry import drafter_names
 
-    if name in METHODS or (extra and name in extra):
-        row = METHODS[name] if name in METHODS else dict((extra or {})[name])
+    rows = {**METHODS, **(extra or {})}
+    if name in rows:
+        row = rows[name]
         return (
             None
             if row is None
@@ -237,13 +239,10 @@ def run_method(
 
 def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     from experiments.run import load_tokenizer, prompt_token_ids
-    from specdec.config import SpeculativeConfig
     from specdec.zoo import resolve_model
 
     specs = {name: method_spec(name, cfg.model, cfg.extra_methods) for name in cfg.methods}
-    for spec in specs.values():  # every method's settings checked before any work
-        if spec is not None:
-            SpeculativeConfig.from_any(spec)
+    check_speculative_configs(specs.values())
     prompts = load_prompts(cfg.prompts, cfg.limit, cfg.per_category, cfg.specbench_path)
     ids = prompt_token_ids(load_tokenizer(cfg.model), prompts)
     cats = [p.category for p in prompts]

@@ -25,6 +25,7 @@ from typing import Any
 from experiments.harness import (
     HarnessConfig,
     benchmark,
+    check_speculative_configs,
     require_extra_methods,
     require_positive,
     require_subset,
@@ -134,12 +135,9 @@ class BenchMultiturnConfig(HarnessConfig):
 
 def run(cfg: BenchMultiturnConfig) -> dict[str, Any]:
     """Every method of ``cfg.methods`` on the conversations; per method its figures (outputs left out)."""
-    from specdec.config import SpeculativeConfig
-
-    specs = {m: METHODS[m] if m in METHODS else dict(cfg.extra_methods[m]) for m in cfg.methods}
-    for spec in specs.values():  # every method's settings checked before any work
-        if spec is not None:
-            SpeculativeConfig.from_any(spec)
+    rows = {**METHODS, **cfg.extra_methods}
+    specs = {m: rows[m] for m in cfg.methods}
+    check_speculative_configs(specs.values())
     if not Path(cfg.humaneval).exists():
         print(f"skipped: no HumanEval file at {cfg.humaneval}", file=sys.stderr)
         return {}

@@ -127,6 +127,17 @@ def require_extra_methods(extra: dict[str, Any], names: Iterable[str]) -> None:
             )
 
 
+def check_speculative_configs(specs: Iterable[dict[str, Any] | None]) -> None:
+    """Every ``speculative_config`` of a benchmark's rows (None: plain decoding) checked by
+    :class:`~specdec.config.SpeculativeConfig` before any work; the first bad one raises its
+    ``ConfigError``."""
+    from specdec.config import SpeculativeConfig
+
+    for spec in specs:
+        if spec is not None:
+            SpeculativeConfig.from_any(spec)
+
+
 # ----------------------------------------------------------------------------------------- harness
 C = TypeVar("C", bound=HarnessConfig)
 
@@ -442,7 +453,7 @@ def measure_batch1(
 
     llm = LLM(str(model), dtype=dtype, speculative_config=spec, **llm_kwargs)
     warm_up(llm, prompts[0] if warmup is None else warmup)
-    report = getattr(llm.engine.drafter, "report", None)
+    report = getattr(llm.engine.drafter, "report", None)  # a hybrid's oracle and member counts
     before = report() if report is not None else None
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     timed = time_batch1(llm, prompts, sp)

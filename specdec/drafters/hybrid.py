@@ -128,6 +128,7 @@ class _Open:
     step: _Step
     member: int
     got: int  # its hindsight score so far, in the member's running score
+    depth: int  # the proposal's drafts on its longest path (draft_depth): confirmed that far, it closes
     weight: float  # that term's weight in the running score now (DECAY per later update)
 
 
@@ -194,12 +195,11 @@ class HybridDrafter(DrafterBase):
         still = []
         for o in state.open:
             committed = request.token_ids[o.step.position :]
-            proposal = o.step.proposals[o.member]
-            got = accepted_length(proposal, committed)
+            got = accepted_length(o.step.proposals[o.member], committed)
             if got > o.got:
                 state.scores[o.member] = (state.scores[o.member] or 0.0) + o.weight * (got - o.got)
                 o.got = got
-            if got == len(committed) and got < draft_depth(proposal):
+            if got == len(committed) and got < o.depth:
                 still.append(o)
         state.open = still
 
@@ -219,8 +219,9 @@ class HybridDrafter(DrafterBase):
             for o in state.open:
                 if o.member == i:
                     o.weight *= DECAY
-            if got == len(committed) and got < draft_depth(proposal):
-                state.open.append(_Open(step, i, got, 1.0 if old is None else 1 - DECAY))
+            depth = draft_depth(proposal) if got == len(committed) else 0
+            if got < depth:
+                state.open.append(_Open(step, i, got, depth, 1.0 if old is None else 1 - DECAY))
             if i == step.chosen and not step.counted:  # the request's last step: no on_verified
                 self._count_accepted(request, i, min(got, len(committed)))
 
