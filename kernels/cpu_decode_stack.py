@@ -152,6 +152,7 @@ class DecodeStack:
         slot_mapping: torch.Tensor,
         short: ShortQueries,
         feature_layers: Sequence[int] = (),
+        attention_input: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run every layer on ``hidden`` ``[T, hidden]`` (the embedded new tokens).
 
@@ -163,6 +164,9 @@ class DecodeStack:
             short: every request of the batch (:class:`ShortQueries`).
             feature_layers: layers whose input residual streams are returned too (the layer count: the
                 last layer's output).
+            attention_input: ``[T, qkv in_features]`` contiguous, hidden's dtype: the first layer's
+                attention input in place of its input norm of ``hidden`` (an EAGLE-3 layer, whose input is
+                its embeddings' and features' norms side by side; ``hidden`` is then the residual only).
 
         Returns:
             ``(hidden, streams)``: the residual stream after the last layer ``[T, hidden_size]`` and one
@@ -174,7 +178,7 @@ class DecodeStack:
         out = self._stack.forward(
             hidden, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], slot_mapping,
             short.block_table, short.reqs, short.q_start, short.q_len, short.seq_len, short.mask_offset,
-            short.masks, list(feature_layers),
+            short.masks, list(feature_layers), _bias(attention_input),
         )  # fmt: skip
         return out[0], out[1:]
 

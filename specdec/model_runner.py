@@ -150,11 +150,13 @@ def _draft_lens(segments: list[Segment]) -> list[int] | None:
 
 
 def _list_inputs(segments: list[Segment], bs: int, device: torch.device) -> ModelInputs:
-    """:func:`build_inputs` of a small batch, every field from Python lists."""
+    """:func:`build_inputs` of a small batch, every field from Python lists: the one-dimensional fields
+    in one ``torch.tensor`` (views of it; a draft head's decode row: 31 -> 20 us here), the block table in
+    another."""
     query_lens = [len(seg.token_ids) for seg in segments]
     seq_lens = [seg.start + n for seg, n in zip(segments, query_lens)]
     max_blocks = max(len(seg.block_ids) for seg in segments)
-    qsl, slots, positions, rows = [0], [], [], []
+    qsl, slots, positions, rows, ids = [0], [], [], [], []
     for seg, n in zip(segments, query_lens):
         table = seg.block_ids
         for p in range(seg.start, seg.start + n):
@@ -166,16 +168,20 @@ def _list_inputs(segments: list[Segment], bs: int, device: torch.device) -> Mode
         positions.extend(given + list(range(seg.start + len(given), seg.start + n)))
         rows.extend(range(qsl[-1] + n - seg.num_logits, qsl[-1] + n))
         qsl.append(qsl[-1] + n)
+        ids.extend(seg.token_ids)
     # Released entries (a prefix of the table) read as block 0: the attention never reads them unmasked.
     table_rows = [
         (seg.block_ids if not seg.block_ids or seg.block_ids[0] >= 0 else [max(b, 0) for b in seg.block_ids])
         + [0] * (max_blocks - len(seg.block_ids))
         for seg in segments
     ]
+    t, b, r = len(ids), len(segments), len(rows)
+    flat = torch.tensor(ids + positions + slots + rows + qsl + seq_lens, dtype=torch.int64, device=device)
+    input_ids, positions_t, slot_mapping, logits_rows, qsl_t, seq_lens_t = flat.split((t, t, t, r, b + 1, b))
     metadata = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=qsl_t,
+        seq_lens=seq_lens_t,
+        slot_mapping=slot_mapping,
         block_table=torch.tensor(table_rows, dtype=torch.int64, device=device),
         query_lens=query_lens,
         seq_lens_host=seq_lens,
@@ -183,12 +189,7 @@ def _list_inputs(segments: list[Segment], bs: int, device: torch.device) -> Mode
         draft_lens=_draft_lens(segments),
     )
     return ModelInputs(
-        input_ids=torch.tensor(
-            [t for seg in segments for t in seg.token_ids], dtype=torch.int64, device=device
-        ),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        metadata=metadata,
-        logits_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+        input_ids=input_ids, positions=positions_t, metadata=metadata, logits_indices=logits_rows
     )
 
 

@@ -72,8 +72,11 @@ class DecodeStack {
 
   // hidden [T, hidden] (the embedded tokens); cos, sin [T, 1, D] of hidden's dtype; k_caches, v_caches one
   // [num_blocks, block_size, KVH, D] each per layer; slot_mapping [T] int64; the short-query batch as
-  // paged_attention_short takes it. Returns the residual stream after the last layer, then the streams
-  // entering each of feature_layers (an index equal to the layer count: the last layer's output).
+  // paged_attention_short takes it. attention_input: empty, or [T, K] the first layer's attention input in
+  // place of rms_norm(hidden) (an EAGLE-3 layer: its embeddings' and features' norms side by side, K = 2
+  // hidden; hidden is then the residual stream only). Returns the residual stream after the last layer,
+  // then the streams entering each of feature_layers (an index equal to the layer count: the last layer's
+  // output).
   std::vector<torch::Tensor> forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                                      const std::vector<torch::Tensor>& k_caches,
                                      const std::vector<torch::Tensor>& v_caches,
@@ -81,12 +84,19 @@ class DecodeStack {
                                      const torch::Tensor& reqs, const torch::Tensor& q_start,
                                      const torch::Tensor& q_len, const torch::Tensor& seq_len,
                                      const torch::Tensor& mask_offset, const torch::Tensor& masks,
-                                     const std::vector<int64_t>& feature_layers) {
+                                     const std::vector<int64_t>& feature_layers,
+                                     const torch::Tensor& attention_input) {
     const int64_t L = size();
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
                 "DecodeStack: one K and one V cache per layer");
     TORCH_CHECK(hidden.dim() == 2, "DecodeStack: hidden [T, hidden_size]");
     const int64_t T = hidden.size(0);
+    const bool given = attention_input.numel() > 0;
+    TORCH_CHECK(!given || (L > 0 && attention_input.dim() == 2 && attention_input.size(0) == T &&
+                           attention_input.size(1) == layers_[0].qkv.size(1) &&
+                           attention_input.scalar_type() == hidden.scalar_type() &&
+                           attention_input.is_contiguous()),
+                "DecodeStack: attention_input [T, qkv in_features], hidden's dtype, contiguous");
     std::vector<torch::Tensor> out(1 + feature_layers.size());
     auto keep = [&](int64_t i, const torch::Tensor& h) {
       for (size_t f = 0; f < feature_layers.size(); ++f)
@@ -96,7 +106,7 @@ class DecodeStack {
       const Layer& l = layers_[i];
       keep(i, hidden);
       const int64_t H = l.num_heads, KVH = l.num_kv_heads, D = l.head_dim;
-      auto x = rms_norm(hidden, l.input_norm, l.eps, l.gemma);
+      auto x = i == 0 && given ? attention_input : rms_norm(hidden, l.input_norm, l.eps, l.gemma);
       auto qkv = linear(x, l.qkv, l.qkv_bias, l.qkv_packed, l.qkv_scales).view({T, H + 2 * KVH, D});
       auto qk = rope(qkv.narrow(1, 0, H + KVH), cos, sin);
       auto v = qkv.narrow(1, H + KVH, KVH);

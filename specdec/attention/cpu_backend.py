@@ -22,7 +22,18 @@ from specdec.attention.reference import ReferenceAttention, _Plan, _plan, short_
 __all__ = ["CpuAttention"]
 
 
+_NO_MASKS = torch.empty(0, dtype=torch.uint8)
+
+
 def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> ShortQueries:
+    m = len(plan.short)
+    if metadata.new_token_masks is None:  # causal everywhere: no mask to pack (decode rows, chains)
+        flat = [v for column in zip(*plan.short) for v in column] + [-1] * m
+        b, start, q_len, seq_len, offsets = torch.tensor(flat, dtype=torch.int64).split(m)
+        block_table = metadata.block_table
+        if block_table.stride(-1) != 1:
+            block_table = block_table.contiguous()
+        return ShortQueries(block_table, b, start, q_len, seq_len, offsets, _NO_MASKS)
     columns = torch.tensor(plan.short, dtype=torch.int64).T.contiguous()  # [4, m]: b, start, q_len, seq_len
     offsets, flat, at = [], [], 0
     for b, start, q_len, _ in plan.short:

@@ -153,6 +153,7 @@ class EagleDrafter(DrafterBase):
         self.block_size = 0
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.states: dict[str, _EagleState] = {}
+        self._id_map: list[int] | None = None  # target id of each draft-logits column (see _choose)
 
     @staticmethod
     def _load_head(ctx: DrafterContext) -> torch.nn.Module:
@@ -213,7 +214,10 @@ class EagleDrafter(DrafterBase):
         """One chain draft per row of ``logits`` ``[R, V']`` (row r drafts for ``batch[r]``, whose
         ``proposals[r]`` holds its drafts so far): EAGLE drafts the top-1 token (``draft_probs`` stay
         None: deterministic drafts)."""
-        return self._to_target(argmax_rows(logits)).tolist()
+        if self._id_map is None:  # the index -> target id map as a list: a lookup per draft, no tensor op
+            self._id_map = self._to_target(torch.arange(logits.shape[-1], device=logits.device)).tolist()
+        id_map = self._id_map
+        return [id_map[i] for i in argmax_rows(logits).tolist()]
 
     def _run(self, segments: list[Segment], features: torch.Tensor) -> torch.Tensor:
         """Head forward over paged segments whose ``token_ids`` are the ``x_{t+1}``; returns the predicted
@@ -222,6 +226,8 @@ class EagleDrafter(DrafterBase):
         embeds = self.target.embed_tokens(inputs.input_ids).to(self.dtype)
         assert self.kv_cache is not None, "bind_kv allocates the head's KV"
         out = self.head(embeds, features, inputs.positions, self.kv_cache, inputs.metadata, self.attention)
+        if inputs.logits_indices.shape[0] == out.shape[0]:  # a row per token (chain steps): all, in order
+            return out
         return out[inputs.logits_indices]
 
     @torch.inference_mode()
@@ -251,33 +257,33 @@ class EagleDrafter(DrafterBase):
             for row, i in enumerate(drafting):
                 proposals[i] = self._tree(batch[i], root_features[row])
             return proposals
-        # 2. Chain: top-1, one head position per request per step.
+        # 2. Chain: top-1, one head position per request per step; row r of `feature` drafts for
+        # batch[drafting[active[r]]].
         feature = root_features
         active = list(range(len(drafting)))
-        while active:
-            rows = torch.tensor(active, device=feature.device)
+        while True:
             tokens = self._choose(
-                self._logits(feature[rows]),
+                self._logits(feature),
                 [batch[drafting[r]] for r in active],
                 [proposals[drafting[r]] for r in active],
             )
-            for row, token in zip(active, tokens):
-                proposals[drafting[row]].token_ids.append(token)
-            active = [
-                r for r in active if len(proposals[drafting[r]].token_ids) < batch[drafting[r]].max_drafts
+            for r, token in zip(active, tokens):
+                proposals[drafting[r]].token_ids.append(token)
+            keep = [
+                j
+                for j, r in enumerate(active)
+                if len(proposals[drafting[r]].token_ids) < batch[drafting[r]].max_drafts
             ]
-            if not active:
+            if not keep:
                 break
+            if len(keep) < len(active):
+                feature, active = feature[keep], [active[j] for j in keep]
             segs = []
             for r in active:
                 req = batch[drafting[r]].request
                 drafts = proposals[drafting[r]].token_ids
                 segs.append(Segment(req.block_ids, req.num_tokens - 2 + len(drafts), drafts[-1:], 1))
-            feature = self._run(segs, feature[active])
-            # Rows of `feature` now follow `active`; re-index so row r of the next step is active[r].
-            full = feature.new_empty(len(drafting), feature.shape[-1])
-            full[active] = feature
-            feature = full
+            feature = self._run(segs, feature)
         return proposals
 
     def _tree(self, x: DraftInput, root_feature: torch.Tensor) -> DraftProposal:

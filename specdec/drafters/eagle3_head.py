@@ -34,7 +34,7 @@ from specdec.attention.base import AttentionBackend, AttentionMetadata
 from specdec.drafters.heads import head_arch
 from specdec.errors import ConfigError
 from specdec.models.config import ModelArchConfig
-from specdec.models.decoder import DecoderLayer, make_norm, rope_cos_sin
+from specdec.models.decoder import DecoderLayer, RopeTable, make_norm, run_stack
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -116,6 +116,13 @@ class Eagle3Layer(DecoderLayer):
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         residual = normed if self.norm_before_residual else hidden
+        if self.decode_stack is not None:  # the C++ stack of one layer, x as its attention input
+            fast = run_stack(
+                self.decode_stack, self._stack_refs, residual, (cos, sin),
+                [(k_cache, v_cache)], metadata, attention, (), attention_input=x,
+            )  # fmt: skip
+            if fast is not None:
+                return fast[0]
         return self.block(residual, x, cos, sin, k_cache, v_cache, metadata, attention)  # type: ignore[arg-type]
 
 
@@ -166,6 +173,7 @@ class Eagle3Head(nn.Module):
         self.norm = make_norm(arch, h)
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
         self.register_buffer("inv_freq", torch.tensor(arch.inv_freq, dtype=torch.float32), persistent=False)
+        self.rope = RopeTable()
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
         t2d[:draft_vocab_size] = True
@@ -215,9 +223,7 @@ class Eagle3Head(nn.Module):
         features = features.to(token_embeds.dtype)
         if features.shape[-1] == self.feature_size and self.feature_size != self.arch.hidden_size:
             features = self.fc(features)
-        cos, sin = rope_cos_sin(
-            positions, self.inv_freq, self.arch.rope_attention_scaling, token_embeds.dtype
-        )
+        cos, sin = self.rope(positions, self.inv_freq, self.arch.rope_attention_scaling, token_embeds.dtype)
         k_cache, v_cache = kv_cache
         return self.layer(token_embeds, features, cos, sin, k_cache, v_cache, metadata, attention)
 

@@ -28,7 +28,7 @@ from torch import nn
 from specdec.attention.base import AttentionBackend, AttentionMetadata
 from specdec.errors import ConfigError, CorruptModelError
 from specdec.models.config import ModelArchConfig
-from specdec.models.decoder import DecoderLayer, rope_cos_sin
+from specdec.models.decoder import DecoderLayer, RopeTable
 
 HEAD_METHODS = ("medusa", "eagle", "eagle3")
 #: Checkpoints shipped with the package, loaded by name (``SpeculativeConfig(model=<name>)``).
@@ -147,6 +147,7 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * arch.hidden_size, arch.hidden_size)
         self.layer = DecoderLayer(arch)
         self.register_buffer("inv_freq", torch.tensor(arch.inv_freq, dtype=torch.float32), persistent=False)
+        self.rope = RopeTable()
 
     def forward(
         self,
@@ -170,7 +171,7 @@ class EagleHead(nn.Module):
             ``[T, H]`` predicted features ``f_{t+1}``.
         """
         x = self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.arch.rope_attention_scaling, x.dtype)
+        cos, sin = self.rope(positions, self.inv_freq, self.arch.rope_attention_scaling, x.dtype)
         k_cache, v_cache = kv_cache
         return self.layer(x, cos, sin, k_cache, v_cache, metadata, attention)
 

@@ -104,6 +104,36 @@ def rope_cos_sin(
     return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
+class RopeTable:
+    """:func:`rope_cos_sin` by lookup, for the draft heads' one-token steps on the CPU, where computing it
+    costs 8 small ops (30-70 us) against two ``index_select``: the cos and sin of positions ``[0, n)``,
+    computed by :func:`rope_cos_sin` itself on ``arange(n)`` (elementwise, so each row equals its value at
+    that position bit for bit; tested), rebuilt at twice the size when a position reaches ``n`` or when
+    ``inv_freq`` (the tensor object), ``scale`` or ``dtype`` change. Elsewhere (CUDA, where a lookup's
+    bound check would synchronise; under compilation) it calls :func:`rope_cos_sin`."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._inv_freq: torch.Tensor | None = None  # kept alive while its id is the key
+        self._cos = self._sin = torch.empty(0)
+
+    def __call__(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[T, 1, head_dim]`` of ``positions`` ``[T]`` int64, as :func:`rope_cos_sin`."""
+        if positions.device.type != "cpu" or positions.numel() == 0 or torch.compiler.is_compiling():
+            return rope_cos_sin(positions, inv_freq, scale, dtype)
+        need = int(positions.max()) + 1
+        key = (id(inv_freq), inv_freq.device, scale, dtype)
+        if key != self._key or need > self._cos.shape[0]:
+            if key != self._key:
+                self._cos = torch.empty(0)
+            size = max(need, 2 * self._cos.shape[0], 256)
+            self._cos, self._sin = rope_cos_sin(torch.arange(size), inv_freq.cpu(), scale, dtype)
+            self._key, self._inv_freq = key, inv_freq  # the tensor kept alive: its id stays its own
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
+
+
 class DecoderLayer(nn.Module):
     """One decoder layer of any supported family.
 
@@ -163,7 +193,7 @@ class DecoderLayer(nn.Module):
         """``hidden`` ``[T, hidden_size]`` -> ``[T, hidden_size]``; ``cos``/``sin`` ``[T, 1, head_dim]``
         (this layer's RoPE); the cache and backend as :meth:`DecoderLM.forward`."""
         if self.decode_stack is not None:
-            fast = _run_stack(
+            fast = run_stack(
                 self.decode_stack, self._stack_refs, hidden, (cos, sin),
                 [(k_cache, v_cache)], metadata, attention, (),
             )  # fmt: skip
@@ -378,10 +408,10 @@ class DecoderLM(nn.Module):
         metadata: AttentionMetadata,
         attention: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """:meth:`layer_stack`'s layers through :attr:`decode_stack` (see :func:`_run_stack`); None where
+        """:meth:`layer_stack`'s layers through :attr:`decode_stack` (see :func:`run_stack`); None where
         the per-layer path must run."""
         assert self.decode_stack is not None
-        out = _run_stack(
+        out = run_stack(
             self.decode_stack, self._stack_refs, hidden, rope, kv_caches, metadata,
             attention, self.feature_layers,
         )  # fmt: skip
@@ -486,7 +516,7 @@ def _model_refs(model: DecoderLM) -> list[_Ref]:
     return refs
 
 
-def _run_stack(
+def run_stack(
     stack: DecodeStack,
     refs: list[_Ref],
     hidden: torch.Tensor,
@@ -495,11 +525,14 @@ def _run_stack(
     metadata: AttentionMetadata,
     attention: AttentionBackend,
     feature_layers: Sequence[int],
+    attention_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """``stack``'s layers on ``hidden`` ``[T, H]`` (the same kernels in the same order as the per-layer
     path, equal outputs) when the batch is all short queries on the CPU attention backend, in the stack's
     dtype, outside autograd and compilation, and the module still holds the weights the stack was built
-    from (every one of ``refs``, see :func:`_layer_refs`); None where the per-layer path must run."""
+    from (every one of ``refs``, see :func:`_layer_refs`); None where the per-layer path must run.
+    ``attention_input``: the first layer's attention input in place of its input norm of ``hidden`` (see
+    :meth:`kernels.cpu_decode_stack.DecodeStack.forward`)."""
     short_queries = getattr(attention, "short_queries", None)
     k_cache = kv_caches[0][0]
     if (
@@ -514,12 +547,16 @@ def _run_stack(
         or torch.compiler.is_compiling()
         or k_cache.dtype != hidden.dtype
         or not all(store.get(key) is value for store, key, value in refs)
+        or (attention_input is not None and attention_input.dtype != hidden.dtype)
     ):
         return None
     short = short_queries(metadata, k_cache)
     if short is None:
         return None
-    return stack.forward(hidden, *rope, kv_caches, metadata.slot_mapping, short, feature_layers)  # type: ignore[arg-type]
+    return stack.forward(
+        hidden, *rope, kv_caches, metadata.slot_mapping, short, feature_layers,  # type: ignore[arg-type]
+        None if attention_input is None else attention_input.contiguous(),
+    )  # fmt: skip
 
 
 def _stack_linear(

@@ -251,6 +251,64 @@ def test_a_draft_heads_layer_takes_a_stack_of_one(dtype):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("quantize", [False, True], ids=["dense", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_an_eagle3_layer_takes_a_stack_of_one_with_its_attention_input(dtype, quantize):
+    """An EAGLE-3 head's layer (attention input: its embeddings' and features' norms side by side, twice the
+    hidden size) runs as a one-layer stack given that input: predicted hidden states and the K/V written
+    equal the per-layer path's bit for bit (dense and int8 weights); a negative control without the input
+    differs."""
+    from specdec.attention.cpu_backend import CpuAttention
+    from specdec.drafters.eagle3_head import Eagle3Head
+    from specdec.models.cpu_linear import use_gemv_linears
+    from specdec.models.decoder import use_cpu_layer_ops
+    from specdec.quantization.apply import quantize_linears
+    from specdec.quantization.config import QuantizationConfig
+
+    torch.manual_seed(1)
+    head = Eagle3Head(_model(torch.float32).cfg, 64, (0, 1, 2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.08) if p.dim() == 2 else p.normal_(1.0, 0.1)
+    head = head.to(dtype).eval()
+    if quantize:
+        quantize_linears(head, QuantizationConfig(method="int8"), dtype)
+    use_gemv_linears(head)
+    use_cpu_layer_ops(head)
+    stack = head.layer.decode_stack
+    assert stack is not None and len(stack) == 1
+    batch = make_paged_batch([(1, 9), (3, 6)], 4, 2, HEAD_DIM, block_size=4, dtype=dtype, write_new=False)
+    g = torch.Generator().manual_seed(2)
+    embeds = torch.randn(4, 128, generator=g).to(dtype)
+    feats = torch.randn(4, 3 * 128, generator=g).to(dtype)
+    positions = torch.tensor([9, 6, 7, 8])
+    calls = [0]
+    inner = stack.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    stack.forward = counted
+    caches = [(batch.k_cache.clone(), batch.v_cache.clone()) for _ in range(3)]
+    with torch.inference_mode():
+        got = head(embeds, feats, positions, caches[0], batch.metadata(), CpuAttention())
+        assert calls == [1]
+        head.layer.decode_stack = None
+        want = head(embeds, feats, positions, caches[1], batch.metadata(), CpuAttention())
+        # Negative control: the two norms swapped in the attention input (a plausible slip) must show.
+        layer, residual = head.layer, head.fc(feats)
+        swapped = torch.cat([layer.hidden_norm(residual), layer.input_layernorm(embeds)], dim=-1)
+        cos, sin = head.rope(positions, head.inv_freq, head.arch.rope_attention_scaling, dtype)
+        metadata = batch.metadata()
+        short = CpuAttention().short_queries(metadata, caches[2][0])
+        wrong, _ = inner(residual, cos, sin, [caches[2]], metadata.slot_mapping, short, (), swapped)
+    assert torch.equal(got, want)
+    for a, b in zip(caches[0], caches[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert not torch.equal(wrong, want)
+
+
 # -- sampled distribution through the stack -------------------------------------------------------------
 # The distribution tests of tests/test_spec_distribution.py verify 2,500 requests per step, past the rows
 # the stack takes; here at most 5 requests run at once and a step holds at most 5 x (K + 1) = 15 tokens
