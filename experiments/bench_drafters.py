@@ -225,8 +225,13 @@ def run_method(
     dtype: str,
     ignore_eos: bool = False,
 ) -> tuple[dict[str, Any], list[list[int]]]:
-    """:func:`experiments.harness.measure_batch1`, plus τ per prompt category."""
+    """:func:`experiments.harness.measure_batch1`, plus tokens per second and τ per prompt category."""
     row, timed = measure_batch1(model, spec, ids, max_tokens, dtype=dtype, ignore_eos=ignore_eos)
+    spent: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # category -> [tokens, seconds]
+    for out, secs, cat in zip(timed.outputs, timed.seconds, cats):
+        spent[cat][0] += len(out)
+        spent[cat][1] += secs
+    row["tokens_per_s_per_category"] = {c: n / t for c, (n, t) in spent.items() if t > 0}
     if "tau" in row:
         per_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> [accepted, draft steps]
         for m, cat in zip(timed.metrics, cats):
@@ -264,9 +269,16 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
         print(name, json.dumps({k: v for k, v in row.items() if k != "tau_per_category"}), flush=True)
     plain = rows.get("plain", {}).get("tokens_per_s")
     hf = result["transformers_plain"]["tokens_per_s"]
+    plain_cats = rows.get("plain", {}).get("tokens_per_s_per_category", {})
     for row in rows.values():
         row["speedup_vs_plain"] = row["tokens_per_s"] / plain if plain else None
         row["speedup_vs_transformers"] = row["tokens_per_s"] / hf
+        if plain_cats:  # the same prompts per category, so tokens per second compare
+            row["speedup_per_category"] = {
+                c: tps / plain_cats[c]
+                for c, tps in row["tokens_per_s_per_category"].items()
+                if c in plain_cats
+            }
     result["methods"] = rows
     if cfg.plot:
         plot(result, cfg.plot)
@@ -336,6 +348,14 @@ def format_table(result: dict[str, Any]) -> str:
         lines += ["", "| category | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for c in cats:
             cells = [f"{rows[n]['tau_per_category'].get(c, float('nan')):.2f}" for n in names]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    names = [n for n in rows if n != "plain" and rows[n].get("speedup_per_category")]
+    cats = sorted({c for n in names for c in rows[n]["speedup_per_category"]})
+    if names:
+        lines += ["", "speedup over plain per category:", "", "| category | " + " | ".join(names) + " |"]
+        lines.append("|---|" + "---|" * len(names))
+        for c in cats:
+            cells = [f"{rows[n]['speedup_per_category'].get(c, float('nan')):.2f}×" for n in names]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     for name, r in rows.items():
         if r.get("oracle_tau") is not None:

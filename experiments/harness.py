@@ -337,12 +337,14 @@ def free_memory() -> None:
 @dataclass
 class Timed:
     """A timed generation: new token ids per request, wall-clock seconds, per-request metrics
-    (specdec's ``RequestOutput.metrics``) and target forwards after the prefills (transformers)."""
+    (specdec's ``RequestOutput.metrics``), target forwards after the prefills (transformers) and, timed
+    one request at a time (:func:`time_batch1`), each request's seconds."""
 
     outputs: list[list[int]]
     time_s: float
     metrics: list[dict[str, Any]] = field(default_factory=list)
     forwards: int = 0
+    seconds: list[float] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -377,7 +379,7 @@ def time_batch1(
     llm.engine.reset_spec_stats()
     outputs: list[list[int]] = []
     metrics: list[dict[str, Any]] = []
-    elapsed = 0.0
+    seconds: list[float] = []
     for p, sp in zip(prompts, per_prompt, strict=True):
         if reset_prefix_cache:
             llm.engine.kv.pool.reset_prefix_cache()
@@ -385,10 +387,10 @@ def time_batch1(
         t = time.perf_counter()
         (o,) = llm.generate([{"prompt_token_ids": list(p)}], sp)
         sync()
-        elapsed += time.perf_counter() - t
+        seconds.append(time.perf_counter() - t)
         outputs.append(list(o.outputs[0].token_ids))
         metrics.append(dict(o.metrics))
-    return Timed(outputs, elapsed, metrics)
+    return Timed(outputs, sum(seconds), metrics, seconds=seconds)
 
 
 def time_together(

@@ -225,6 +225,7 @@ def test_batch1_timing_equals_llm_generate(tiny_model_dirs, fast_cpu_settings):
     timed = time_batch1(llm, prompts, sp)
     assert timed.outputs == expected and timed.tokens == 3 * 8 and timed.time_s > 0
     assert len(timed.metrics) == 3
+    assert len(timed.seconds) == 3 and sum(timed.seconds) == pytest.approx(timed.time_s)
 
     row, plain = measure_batch1(
         d, None, prompts, 8, dtype="float32", ignore_eos=True, skip_tokenizer_init=True
@@ -344,3 +345,37 @@ def test_bench_drafters_extra_methods(monkeypatch):
     )
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         bench_drafters.run(cfg)
+
+
+def test_bench_drafters_speed_per_category(monkeypatch):
+    """Tokens per second per prompt category from each prompt's own seconds, and the speedup over plain per
+    category in the result and the table (made-up timings: 2 categories, plain 10 / 20 tok/s, a drafter
+    twice as fast on one and level on the other)."""
+    from experiments.harness import Timed
+
+    seconds = {None: [1.0, 1.0, 0.5], "ngram": [0.5, 0.5, 0.5]}
+
+    def fake_measure(model, spec, ids, max_tokens, **kwargs):
+        name = None if spec is None else spec["method"]
+        outs = [[0] * 10, [0] * 10, [0] * 10]
+        return {"tokens": 30, "time_s": sum(seconds[name]), "tokens_per_s": 30 / sum(seconds[name])}, Timed(
+            outs, sum(seconds[name]), [{}] * 3, seconds=seconds[name]
+        )
+
+    monkeypatch.setattr(bench_drafters, "measure_batch1", fake_measure)
+    cats = ["code", "code", "chat"]
+    row, _ = bench_drafters.run_method("m", None, [[1]] * 3, cats, 10, "float32")
+    assert row["tokens_per_s_per_category"] == {"code": 10.0, "chat": 20.0}
+    row, _ = bench_drafters.run_method("m", {"method": "ngram"}, [[1]] * 3, cats, 10, "float32")
+    assert row["tokens_per_s_per_category"] == {"code": 20.0, "chat": 20.0}
+    monkeypatch.setattr(
+        bench_drafters, "load_prompts", lambda *a: [type("P", (), {"category": c})() for c in cats]
+    )
+    monkeypatch.setattr(bench_drafters, "_hf_plain", lambda *a: {"tokens_per_s": 5.0})
+    monkeypatch.setattr("experiments.run.load_tokenizer", lambda model: None)
+    monkeypatch.setattr("experiments.run.prompt_token_ids", lambda tok, prompts: [[1]] * len(prompts))
+    monkeypatch.setattr("specdec.zoo.resolve_model", lambda model: model)
+    result = bench_drafters.run(bench_drafters.main.config(["methods=[plain,ngram]"]))
+    assert result["methods"]["ngram"]["speedup_per_category"] == {"code": 2.0, "chat": 1.0}
+    table = bench_drafters.format_table(result)
+    assert "| code | 2.00× |" in table and "| chat | 1.00× |" in table
