@@ -44,11 +44,13 @@ import torch
 from experiments.harness import (
     ForwardCounter,
     HarnessConfig,
+    Timed,
     benchmark,
     check_speculative_configs,
     hf_batch1,
     hf_generate,
     measure_batch1,
+    measure_batch1_interleaved,
     require_choice,
     require_extra_methods,
     require_positive,
@@ -136,6 +138,9 @@ class BenchDraftersConfig(HarnessConfig):
         by the target's name); a name may not be one of :data:`METHODS` or a registered drafter's, and every
         row is checked by :class:`~specdec.config.SpeculativeConfig` before any work.
     plot: PNG of acceptance per position (and τ per category).
+    interleave: build every row's engine first, then generate each prompt with every row in turn
+        (:func:`experiments.harness.measure_batch1_interleaved`), so that the host's drift during the run
+        moves all rows alike; False: one row after the other, each with a fresh engine.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -149,6 +154,7 @@ class BenchDraftersConfig(HarnessConfig):
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     extra_methods: dict[str, Any] = field(default_factory=dict)
     plot: str | None = None
+    interleave: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -227,6 +233,12 @@ def run_method(
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """:func:`experiments.harness.measure_batch1`, plus tokens per second and τ per prompt category."""
     row, timed = measure_batch1(model, spec, ids, max_tokens, dtype=dtype, ignore_eos=ignore_eos)
+    return with_categories(row, timed, cats), timed.outputs
+
+
+def with_categories(row: dict[str, Any], timed: Timed, cats: list[str]) -> dict[str, Any]:
+    """``row`` with ``tokens_per_s_per_category`` (each prompt's own seconds) and, for a drafter,
+    ``tau_per_category``; ``cats[i]`` is prompt i's category."""
     spent: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # category -> [tokens, seconds]
     for out, secs, cat in zip(timed.outputs, timed.seconds, cats):
         spent[cat][0] += len(out)
@@ -239,7 +251,7 @@ def run_method(
                 per_cat[cat][0] += m["num_accepted_tokens"]
                 per_cat[cat][1] += m["num_drafts"]
         row["tau_per_category"] = {c: 1 + a / n for c, (a, n) in per_cat.items() if n}
-    return row, timed.outputs
+    return row
 
 
 def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
@@ -259,8 +271,19 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     )
     rows: dict[str, Any] = {}
     base_outs: list[list[int]] | None = None
+    measured: dict[str, tuple[dict[str, Any], list[list[int]]]] = {}
+    if cfg.interleave:
+        both = measure_batch1_interleaved(
+            cfg.model, specs, ids, cfg.max_tokens, dtype=cfg.dtype, ignore_eos=cfg.ignore_eos
+        )
+        measured = {
+            name: (with_categories(row, timed, cats), timed.outputs) for name, (row, timed) in both.items()
+        }
     for name, spec in specs.items():
-        row, outs = run_method(cfg.model, spec, ids, cats, cfg.max_tokens, cfg.dtype, cfg.ignore_eos)
+        if cfg.interleave:
+            row, outs = measured[name]
+        else:
+            row, outs = run_method(cfg.model, spec, ids, cats, cfg.max_tokens, cfg.dtype, cfg.ignore_eos)
         if name == "plain":
             base_outs = outs
         elif base_outs is not None:

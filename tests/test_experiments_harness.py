@@ -210,7 +210,14 @@ def test_bench_quant_smoke(tmp_path, capsys):
 def test_batch1_timing_equals_llm_generate(tiny_model_dirs, fast_cpu_settings):
     from transformers import AutoModelForCausalLM
 
-    from experiments.harness import ForwardCounter, hf_batch1, measure_batch1, time_batch1, warm_up
+    from experiments.harness import (
+        ForwardCounter,
+        hf_batch1,
+        measure_batch1,
+        measure_batch1_interleaved,
+        time_batch1,
+        warm_up,
+    )
     from sampling.params import SamplingParams
     from specdec import LLM
 
@@ -247,6 +254,15 @@ def test_batch1_timing_equals_llm_generate(tiny_model_dirs, fast_cpu_settings):
     assert spec.outputs == expected
     assert set(row["members_chosen"]) == {"suffix", "ngram"} and sum(row["members_chosen"].values()) > 0
     assert row["oracle_tau"] >= row["tau"] - 1e-9
+    # Interleaved (every prompt by every row in turn): the same outputs and fields per row.
+    both = measure_batch1_interleaved(
+        d, {"plain": None, "ngram": ngram, "hybrid": hybrid}, prompts, 8, dtype="float32", ignore_eos=True,
+        skip_tokenizer_init=True, kv_cache_memory_bytes=2**20,
+    )  # fmt: skip
+    assert all(timed.outputs == expected and len(timed.seconds) == 3 for _, timed in both.values())
+    assert set(both["plain"][0]) == {"tokens", "time_s", "tokens_per_s"}
+    assert both["ngram"][0]["tau"] >= 1.0 and "oracle_tau" not in both["ngram"][0]
+    assert both["hybrid"][0]["oracle_tau"] >= both["hybrid"][0]["tau"] - 1e-9
 
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     hf_timed = hf_batch1(hf, prompts, 8, ForwardCounter(hf), ignore_eos=True, pad_token_id=0)
@@ -375,7 +391,7 @@ def test_bench_drafters_speed_per_category(monkeypatch):
     monkeypatch.setattr("experiments.run.load_tokenizer", lambda model: None)
     monkeypatch.setattr("experiments.run.prompt_token_ids", lambda tok, prompts: [[1]] * len(prompts))
     monkeypatch.setattr("specdec.zoo.resolve_model", lambda model: model)
-    result = bench_drafters.run(bench_drafters.main.config(["methods=[plain,ngram]"]))
+    result = bench_drafters.run(bench_drafters.main.config(["methods=[plain,ngram]", "interleave=false"]))
     assert result["methods"]["ngram"]["speedup_per_category"] == {"code": 2.0, "chat": 1.0}
     table = bench_drafters.format_table(result)
     assert "| code | 2.00× |" in table and "| chat | 1.00× |" in table
