@@ -16,6 +16,7 @@ logits only at the rows asked for.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -105,12 +106,13 @@ def rope_cos_sin(
 
 
 class RopeTable:
-    """:func:`rope_cos_sin` by lookup, for the draft heads' one-token steps on the CPU, where computing it
-    costs 8 small ops (30-70 us) against two ``index_select``: the cos and sin of positions ``[0, n)``,
-    computed by :func:`rope_cos_sin` itself on ``arange(n)`` (elementwise, so each row equals its value at
-    that position bit for bit; tested), rebuilt at twice the size when a position reaches ``n`` or when
-    ``inv_freq`` (the tensor object), ``scale`` or ``dtype`` change. Elsewhere (CUDA, where a lookup's
-    bound check would synchronise; under compilation) it calls :func:`rope_cos_sin`."""
+    """:func:`rope_cos_sin` by lookup on the CPU, where computing it costs 8 small ops (30-90 us in the
+    middle of a step, for the target's forward and a draft head's one-token steps alike) against two
+    ``index_select``: the cos and sin of positions ``[0, n)``, computed by :func:`rope_cos_sin` itself on
+    ``arange(n)`` (elementwise, so each row equals its value at that position bit for bit; tested), rebuilt
+    at twice the size when a position reaches ``n`` or when ``inv_freq`` (the tensor object), ``scale`` or
+    ``dtype`` change. Elsewhere (CUDA, where a lookup's bound check would synchronise; under compilation) it
+    calls :func:`rope_cos_sin`."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -178,7 +180,7 @@ class DecoderLayer(nn.Module):
         #: A one-layer C++ stack for this layer when it runs outside a stacked :class:`DecoderLM` (a draft
         #: head's layer; set by :func:`use_cpu_layer_ops`; None: off), and where it read its weights from.
         self.decode_stack: DecodeStack | None = None
-        self._stack_refs: list[_Ref] = []
+        self._stack_refs = StackRefs([])
 
     def forward(
         self,
@@ -280,6 +282,7 @@ class DecoderLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False)
+        self._rope_table = RopeTable()
         # Gemma 3's local RoPE (sliding layers); None for the families with one RoPE.
         local = None if cfg.local_inv_freq is None else torch.tensor(cfg.local_inv_freq, dtype=torch.float32)
         self.register_buffer("local_inv_freq", local, persistent=False)
@@ -290,7 +293,7 @@ class DecoderLM(nn.Module):
         #: The C++ layer stack for short queries on the CPU (set by :func:`use_cpu_layer_ops`; None: off),
         #: with where it read its weights from (a model whose layers changed since falls back).
         self.decode_stack: DecodeStack | None = None
-        self._stack_refs: list[_Ref] = []
+        self._stack_refs = StackRefs([])
 
     def set_feature_layers(self, layers: Sequence[int]) -> None:
         """Return as features the residual streams entering ``layers`` (concatenated in that order,
@@ -312,8 +315,9 @@ class DecoderLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, head_dim]`` for ``positions`` ``[T]``, as transformers computes them."""
-        return rope_cos_sin(positions, self.inv_freq, self.cfg.rope_attention_scaling, dtype)
+        """cos, sin ``[T, 1, head_dim]`` for ``positions`` ``[T]``, as transformers computes them (on the
+        CPU looked up in a :class:`RopeTable` of the same values)."""
+        return self._rope_table(positions, self.inv_freq, self.cfg.rope_attention_scaling, dtype)
 
     def forward(
         self,
@@ -493,11 +497,29 @@ _STACK_TENSORS = ("weight", "qweight", "scales", "bias")
 _Ref = tuple[dict, str, object]
 
 
+class StackRefs:
+    """Where a stack read its weights (:data:`_Ref` triples), checked on every stacked forward by
+    :meth:`hold` in C-level iteration (``map``): SmolLM2's 512 references in ~10 us, against ~100 us for a
+    Python loop over them in the middle of a step."""
+
+    def __init__(self, refs: list[_Ref]) -> None:
+        self.stores = [store for store, _, _ in refs]
+        self.keys = [key for _, key, _ in refs]
+        self.values = [value for _, _, value in refs]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def hold(self) -> bool:
+        """Whether every store still holds the object it held when the stack was built."""
+        return all(map(operator.is_, map(dict.get, self.stores, self.keys), self.values))
+
+
 def _layer_refs(layer: DecoderLayer) -> list[_Ref]:
     """Where a stack read ``layer``'s weights: its six modules in ``layer._modules``, and in each module the
     tensors the stack holds (``weight`` and ``bias``; an int8 QuantizedLinear's ``qweight`` and ``scales``).
-    Checked by dictionary lookups on every stacked forward (about 20 µs for SmolLM2's 30 layers; the
-    attribute lookups these replace cost ~1.2 ms per forward)."""
+    Checked by dictionary lookups on every stacked forward (:class:`StackRefs`; the attribute lookups these
+    replace cost ~1.2 ms per forward)."""
     refs: list[_Ref] = []
     for name in _STACK_MODULES:
         module = layer._modules[name]
@@ -518,7 +540,7 @@ def _model_refs(model: DecoderLM) -> list[_Ref]:
 
 def run_stack(
     stack: DecodeStack,
-    refs: list[_Ref],
+    refs: StackRefs,
     hidden: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_caches: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]],
@@ -546,7 +568,7 @@ def run_stack(
         or torch.is_grad_enabled()
         or torch.compiler.is_compiling()
         or k_cache.dtype != hidden.dtype
-        or not all(store.get(key) is value for store, key, value in refs)
+        or not refs.hold()
         or (attention_input is not None and attention_input.dtype != hidden.dtype)
     ):
         return None
@@ -628,9 +650,9 @@ def _build_stack(
 ) -> bool:
     """Set ``owner.decode_stack`` to a :class:`DecodeStack` of ``specs`` (None: the layers do not fit) and
     ``owner._stack_refs`` to ``refs()``, where it read its weights, when the stack builds here; else None."""
-    owner.decode_stack, owner._stack_refs = None, []
+    owner.decode_stack, owner._stack_refs = None, StackRefs([])
     if specs is None or not cpu_decode_stack.available():
         return False
     owner.decode_stack = DecodeStack(specs)  # type: ignore[arg-type]
-    owner._stack_refs = refs()
+    owner._stack_refs = StackRefs(refs())
     return True
