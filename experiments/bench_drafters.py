@@ -34,6 +34,7 @@ past EOS a model writes text no drafter was trained on, so ``ignore_eos=true`` (
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,10 +46,12 @@ from experiments.harness import (
     ForwardCounter,
     HarnessConfig,
     Timed,
+    available_bytes,
     benchmark,
     check_speculative_configs,
     hf_batch1,
     hf_generate,
+    interleaved_bytes,
     measure_batch1,
     measure_batch1_interleaved,
     require_choice,
@@ -111,7 +114,10 @@ METHODS: dict[str, dict[str, Any] | None] = {
         "draft_vocab": "{model}-eagle3",
     },
 }
+logger = logging.getLogger("experiments.bench_drafters")
 DEFAULT_SPECBENCH = "../shared/specbench/question.jsonl"
+#: Each engine's KV pool when the rows are interleaved (all alive at once; batch 1 needs little).
+INTERLEAVED_KV_BYTES = 256 * 1024**2
 
 
 def method_names() -> list[str]:
@@ -140,7 +146,10 @@ class BenchDraftersConfig(HarnessConfig):
     plot: PNG of acceptance per position (and τ per category).
     interleave: build every row's engine first, then generate each prompt with every row in turn
         (:func:`experiments.harness.measure_batch1_interleaved`), so that the host's drift during the run
-        moves all rows alike; False: one row after the other, each with a fresh engine.
+        moves all rows alike; False: one row after the other, each with a fresh engine. Every engine is
+        alive at once (about 1 GB a row for SmolLM2, 17 GB for the default rows); where that would pass
+        80 % of the available memory the rows run one after the other, with a warning (``interleaved`` in
+        the result says which).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -272,15 +281,29 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     base_outs: list[list[int]] | None = None
     measured: dict[str, tuple[dict[str, Any], list[list[int]]]] = {}
-    if cfg.interleave:
-        both = measure_batch1_interleaved(
-            cfg.model, specs, ids, cfg.max_tokens, dtype=cfg.dtype, ignore_eos=cfg.ignore_eos
+    interleave = cfg.interleave
+    if interleave:
+        need, have = (
+            interleaved_bytes(cfg.model, cfg.dtype, len(specs), INTERLEAVED_KV_BYTES),
+            available_bytes(),
         )
+        if have is not None and need > 0.8 * have:
+            logger.warning(
+                "interleaving %d rows needs up to %.1f GB, %.1f GB available: one row after another instead",
+                len(specs), need / 1e9, have / 1e9,
+            )  # fmt: skip
+            interleave = False
+    result["interleaved"] = interleave
+    if interleave:
+        both = measure_batch1_interleaved(
+            cfg.model, specs, ids, cfg.max_tokens, dtype=cfg.dtype, ignore_eos=cfg.ignore_eos,
+            kv_cache_memory_bytes=INTERLEAVED_KV_BYTES,
+        )  # fmt: skip
         measured = {
             name: (with_categories(row, timed, cats), timed.outputs) for name, (row, timed) in both.items()
         }
     for name, spec in specs.items():
-        if cfg.interleave:
+        if interleave:
             row, outs = measured[name]
         else:
             row, outs = run_method(cfg.model, spec, ids, cats, cfg.max_tokens, cfg.dtype, cfg.ignore_eos)

@@ -338,7 +338,8 @@ def free_memory() -> None:
 class Timed:
     """A timed generation: new token ids per request, wall-clock seconds, per-request metrics
     (specdec's ``RequestOutput.metrics``), target forwards after the prefills (transformers) and, timed
-    one request at a time (:func:`time_batch1`), each request's seconds."""
+    one request at a time (:func:`time_batch1`, :func:`measure_batch1_interleaved`), each request's
+    seconds."""
 
     outputs: list[list[int]]
     time_s: float
@@ -484,7 +485,9 @@ def measure_batch1_interleaved(
     in turn, so a host whose speed drifts during the run (this project's 2-core hosts: by 10-30 % within
     minutes) moves every row alike and the ratios between rows hold. Each engine keeps its own weights, so
     the first steps after a switch read them from memory rather than the cache: a little slower for every
-    row alike.
+    row alike. Every engine is alive at once (:func:`interleaved_bytes` bounds their memory), with a KV
+    pool of ``kv_cache_memory_bytes`` each rather than ``LLM``'s default (2 GiB): batch 1 needs little
+    (SmolLM2: 23 KB a token, 11k tokens in 256 MiB).
 
     Returns:
         per name of ``specs``, what :func:`measure_batch1` returns for it.
@@ -536,9 +539,31 @@ def measure_batch1_interleaved(
             report, before = reports[name]
             row.update(_oracle_fields(before, report()))
         results[name] = (row, timed)
-    del llms
+    del llms, llm, reports
     free_memory()
     return results
+
+
+def interleaved_bytes(model: str | Path, dtype: str, rows: int, kv_cache_memory_bytes: int) -> int:
+    """A bound on what :func:`measure_batch1_interleaved` holds at once: per row the target's weights
+    twice (the engine keeps a packed copy beside them), half as much again for the drafter's own copies
+    (the quantized self-drafter's int8 model, heads) and the KV pool."""
+    from specdec.memory import arch_config, weight_bytes
+
+    _, held, _ = weight_bytes(arch_config(model), getattr(torch, dtype))
+    return rows * (int(2.5 * held) + kv_cache_memory_bytes)
+
+
+def available_bytes() -> int | None:
+    """The host's available memory (``MemAvailable`` in ``/proc/meminfo``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _oracle_fields(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

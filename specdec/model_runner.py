@@ -74,8 +74,9 @@ def build_inputs(segments: list[Segment], block_size: int, device: torch.device)
     """Flattened model inputs for ``segments``; slots come from each segment's block table.
 
     A batch of at most :data:`LIST_INPUTS_MAX_TOKENS` new tokens (decode rows, verification chains and
-    trees, small prefill chunks) takes :func:`_list_inputs`: every field from Python lists, one
-    ``torch.tensor`` each (a chain of 5 tokens: 0.05 instead of 0.25 ms here). Larger ones take
+    trees, small prefill chunks) takes :func:`_list_inputs`: every field from Python lists, the
+    one-dimensional ones in one ``torch.tensor`` split into views, the block table in another (a chain of 5
+    tokens: 0.05 instead of 0.25 ms here). Larger ones take
     :func:`_batch_inputs`, vectorised over the batch (one ``torch.tensor`` per field, slots and rows by
     tensor arithmetic), so thousands of tokens per step stay cheap. The two give equal fields (tested).
 

@@ -393,5 +393,14 @@ def test_bench_drafters_speed_per_category(monkeypatch):
     monkeypatch.setattr("specdec.zoo.resolve_model", lambda model: model)
     result = bench_drafters.run(bench_drafters.main.config(["methods=[plain,ngram]", "interleave=false"]))
     assert result["methods"]["ngram"]["speedup_per_category"] == {"code": 2.0, "chat": 1.0}
+    assert result["interleaved"] is False
+    # Interleaving that would not fit in memory falls back to one row after another (the fake above).
+    monkeypatch.setattr(bench_drafters, "interleaved_bytes", lambda *a: 10**12)
+    monkeypatch.setattr(bench_drafters, "available_bytes", lambda: 10**9)
+    fallback = bench_drafters.run(bench_drafters.main.config(["methods=[plain,ngram]"]))
+    assert (
+        fallback["interleaved"] is False
+        and fallback["methods"]["ngram"]["speedup_per_category"]["code"] == 2.0
+    )
     table = bench_drafters.format_table(result)
     assert "| code | 2.00× |" in table and "| chat | 1.00× |" in table

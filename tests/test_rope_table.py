@@ -29,7 +29,21 @@ def test_lookup_equals_rope_cos_sin_bit_for_bit(dtype):
     assert not torch.equal(cos, rope_cos_sin(positions, inv_freq, 0.75, dtype)[0])
 
 
-def test_empty_positions_and_compiled_callers_take_the_function():
+def test_empty_positions_take_the_function():
     inv_freq = torch.ones(4)
     cos, sin = RopeTable()(torch.zeros(0, dtype=torch.int64), inv_freq, 1.0, torch.float32)
     assert cos.shape == (0, 1, 8) and sin.shape == (0, 1, 8)
+
+
+def test_a_deep_copy_rebuilds_its_table_for_its_own_inv_freq():
+    """A deep copy's table is keyed by the copy's own ``inv_freq`` object: a new ``inv_freq`` on the copy
+    (as ``.to(dtype)`` or a reload would set) gets its own values, not the original's."""
+    import copy
+
+    inv_freq = torch.tensor([1.0, 0.1])
+    table = RopeTable()
+    table(torch.tensor([3]), inv_freq, 1.0, torch.float32)
+    clone = copy.deepcopy(table)
+    other = torch.tensor([0.5, 0.05])
+    cos, _ = clone(torch.tensor([3]), other, 1.0, torch.float32)
+    assert torch.equal(cos, rope_cos_sin(torch.tensor([3]), other, 1.0, torch.float32)[0])
