@@ -300,6 +300,8 @@ class HeadDrafterConfig(DrafterConfig):
         max_tree_nodes: most draft tokens in a tree.
         quantization: ``int8`` or ``int4``: the head's linears and the LM-head rows it drafts through,
             weight-only quantized (None: the head's dtype).
+        draft_stop_probability: EAGLE and EAGLE-3 chains: stop after a draft whose top token has less than
+            this probability under the head (None: always k; see ``SpeculativeConfig``).
     """
 
     method: str = MISSING
@@ -310,6 +312,7 @@ class HeadDrafterConfig(DrafterConfig):
     tree_topk: int = 4
     max_tree_nodes: int = 16
     quantization: str | None = None
+    draft_stop_probability: float | None = None
 
     def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "medusa" | "eagle", ...}`` for ``specdec.LLM``."""
@@ -324,6 +327,8 @@ class HeadDrafterConfig(DrafterConfig):
         }
         if self.quantization is not None:
             spec["quantization"] = self.quantization
+        if self.draft_stop_probability is not None:
+            spec["draft_stop_probability"] = self.draft_stop_probability
         return spec
 
 

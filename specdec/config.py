@@ -286,6 +286,10 @@ class SpeculativeConfig:
             data) to take. Each draft token then costs the target's LM-head rows of those tokens only.
             None: the whole vocabulary. Drafts are verified as always, so outputs stay exact; acceptance
             can only fall where the target's token lies outside the vocabulary.
+        draft_stop_probability: "eagle" / "eagle3" chains: stop a request's chain after a draft whose
+            head distribution gives its top token less than this probability (EAGLE-2's confidence, used to
+            cut a chain: the next drafts would likely be rejected), so a step drafts 1..k tokens. The
+            decision reads the drafter's own distribution only, so outputs stay exact. None: always k.
 
     Raises:
         ConfigError (a ValueError): unknown method (the message names the registered ones), k outside
@@ -316,6 +320,7 @@ class SpeculativeConfig:
     suffix_share_across_requests: bool = False
     hybrid_members: list[str] | None = None
     draft_vocab: list[int] | str | None = None
+    draft_stop_probability: float | None = None
 
     def __post_init__(self) -> None:
         from specdec.drafters.registry import drafter_names, get_drafter, model_method
@@ -365,6 +370,15 @@ class SpeculativeConfig:
                     f"{name.name}={value!r} applies to method {' or '.join(map(repr, takers))} only "
                     f"(method is {self.method!r})"
                 )
+        stop = self.draft_stop_probability
+        if stop is not None:
+            if isinstance(stop, bool) or not isinstance(stop, (int, float)) or not 0.0 < stop < 1.0:
+                raise ConfigError(f"draft_stop_probability must be None or a number in (0, 1), got {stop!r}")
+            if self.tree is not None:
+                raise ConfigError(
+                    "draft_stop_probability cuts chains; a tree ranks its nodes instead (tree=None)"
+                )
+            self.draft_stop_probability = float(stop)
         if self.draft_vocab is not None and not isinstance(self.draft_vocab, str):
             ids = self.draft_vocab
             if (

@@ -85,10 +85,12 @@ def save_random_eagle3_head(target_dir, draft_vocab: list[int], out, seed: int =
     save_heads(head, cfg, out)
 
 
-def make_llm(setup, tree: bool, quantization: str | None = None) -> LLM:
+def make_llm(setup, tree: bool, quantization: str | None = None, stop: float | None = None) -> LLM:
     spec = {"method": "eagle3", "model": str(setup["head"]), "num_speculative_tokens": K}
     if quantization is not None:
         spec["quantization"] = quantization
+    if stop is not None:
+        spec["draft_stop_probability"] = stop
     if tree:
         spec.update(tree="dynamic", tree_topk=2, max_tree_nodes=4)
     n = BATCH + NUM_GREEDY
@@ -106,13 +108,17 @@ def make_llm(setup, tree: bool, quantization: str | None = None) -> LLM:
 
 
 @pytest.mark.parametrize(
-    ("tree", "quantization"),
-    [(False, None), (True, None), (False, "int8")],
-    ids=["chain", "tree", "chain-int8"],
+    ("tree", "quantization", "stop"),
+    [(False, None, None), (True, None, None), (False, "int8", None), (False, None, 0.35)],
+    ids=["chain", "tree", "chain-int8", "chain-stop"],
 )
-def test_eagle3_reduced_vocabulary_output_distribution_matches_target(setup, tree, quantization, monkeypatch):
+def test_eagle3_reduced_vocabulary_output_distribution_matches_target(
+    setup, tree, quantization, stop, monkeypatch
+):
     """``chain-int8``: the head's weights quantized (``speculative_config["quantization"]``): sampled
-    drafts come from the quantized head's distribution, which is what they report."""
+    drafts come from the quantized head's distribution, which is what they report. ``chain-stop``: chains
+    cut after a draft whose head distribution gives its top token less than 0.35
+    (``draft_stop_probability``), so steps draft 1 or 2 tokens."""
     import specdec.drafters.eagle3 as eagle3
 
     drafted: list[int] = []
@@ -126,19 +132,22 @@ def test_eagle3_reduced_vocabulary_output_distribution_matches_target(setup, tre
         return tokens, probs
 
     monkeypatch.setattr(eagle3, "draw_draft_tokens", recording)
-    llm = make_llm(setup, tree, quantization)
+    llm = make_llm(setup, tree, quantization, stop)
     if quantization is not None:
         from specdec.quantization.linear import QuantizedLinear
 
         assert isinstance(llm.engine.drafter.head.lm_head, QuantizedLinear)
     counts = sample_counts(llm, NUM_CALLS, seed_base=7 * 10**6, greedy_chain=setup["greedy"])
     label = f"eagle3 {'tree' if tree else 'chain'}{'' if quantization is None else ' ' + quantization}"
+    label += "" if stop is None else f" stop {stop}"
     check_all(setup, counts, label)
     stats = llm.engine.spec_stats
     print(f"[spec] {label}: {stats.as_dict()}")
     assert stats.num_drafts > NUM_CALLS * BATCH // 4
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.accepted_per_position[1] > 0
+    if stop is not None:  # some chains were cut after one draft, others went on to K
+        assert stats.num_drafts < stats.num_draft_tokens < K * stats.num_drafts
     outside = [t for t in range(V) if t not in DRAFT_VOCAB]
     if not tree:  # sampled chains: drafts and their distributions stay in the draft vocabulary
         assert len(with_probs) > NUM_CALLS * BATCH // 4 and set(drafted) <= set(DRAFT_VOCAB)

@@ -132,6 +132,43 @@ def test_random_heads_greedy_equality(random_setup, name, batch):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_eagle_chains_cut_by_draft_stop_probability_stay_greedy_equal(random_setup, batch):
+    """``draft_stop_probability``: a chain stops after a draft whose head distribution gives its top token
+    less than that probability. Greedy outputs equal plain decoding's, chains are cut (fewer draft tokens
+    per step than k), and a threshold above every top-1 probability drafts exactly one token a step."""
+    prompts = _prompts(batch, VOCAB)
+    max_tokens = [19 + 4 * i for i in range(batch)]
+    base, _ = _run(random_setup / "target", prompts, max_tokens)
+    spec = {"method": "eagle", "num_speculative_tokens": 4, "model": str(random_setup / "eagle")}
+    _, full = _run(random_setup / "target", prompts, max_tokens, spec)
+    per_step_full = full.engine.spec_stats.num_draft_tokens / full.engine.spec_stats.num_drafts
+    got, cut = _run(random_setup / "target", prompts, max_tokens, {**spec, "draft_stop_probability": 0.2})
+    assert got == base
+    stats = cut.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens / stats.num_drafts < per_step_full
+    got, one = _run(random_setup / "target", prompts, max_tokens, {**spec, "draft_stop_probability": 0.999})
+    assert got == base
+    assert one.engine.spec_stats.num_draft_tokens == one.engine.spec_stats.num_drafts  # one draft a step
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [(0.0, "in \\(0, 1\\)"), (1.0, "in \\(0, 1\\)"), (True, "in \\(0, 1\\)"), ("0.5", "in \\(0, 1\\)")],
+)
+def test_draft_stop_probability_is_checked(value, message):
+    from specdec.config import SpeculativeConfig
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig(method="eagle", draft_stop_probability=value)
+    with pytest.raises(ConfigError, match="cuts chains"):
+        SpeculativeConfig(method="eagle", tree="dynamic", draft_stop_probability=0.5)
+    with pytest.raises(ConfigError, match="applies to method 'eagle' or 'eagle3' only"):
+        SpeculativeConfig(method="ngram", draft_stop_probability=0.5)
+    assert SpeculativeConfig(method="eagle3", draft_stop_probability=0.5).draft_stop_probability == 0.5
+
+
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_heads_take_the_targets_cpu_linears(random_setup, method):
     """A head's linears run the CPU GEMV kernel like the target's (a draft step is one or a few rows,

@@ -103,7 +103,7 @@ class _DenseTreeAttention:
     "eagle",
     model="heads",
     trees=(None, "dynamic"),
-    fields=("tree_topk", "max_tree_nodes", "draft_vocab", "quantization"),
+    fields=("tree_topk", "max_tree_nodes", "draft_vocab", "quantization", "draft_stop_probability"),
 )
 class EagleDrafter(DrafterBase):
     """EAGLE (Li et al. 2024): one decoder layer in the target's feature space; chain or EAGLE-2 tree.
@@ -261,18 +261,25 @@ class EagleDrafter(DrafterBase):
         # batch[drafting[active[r]]].
         feature = root_features
         active = list(range(len(drafting)))
+        stop = self.config.draft_stop_probability
         while True:
+            logits = self._logits(feature)
             tokens = self._choose(
-                self._logits(feature),
-                [batch[drafting[r]] for r in active],
-                [proposals[drafting[r]] for r in active],
+                logits, [batch[drafting[r]] for r in active], [proposals[drafting[r]] for r in active]
             )
             for r, token in zip(active, tokens):
                 proposals[drafting[r]].token_ids.append(token)
+            # Confident rows only go on (draft_stop_probability): the head's top-1 probability, a function
+            # of the drafts so far, so the verification stays exact.
+            confident = (
+                [True] * len(active)
+                if stop is None
+                else (torch.softmax(logits, -1).amax(-1) >= stop).tolist()
+            )
             keep = [
                 j
                 for j, r in enumerate(active)
-                if len(proposals[drafting[r]].token_ids) < batch[drafting[r]].max_drafts
+                if confident[j] and len(proposals[drafting[r]].token_ids) < batch[drafting[r]].max_drafts
             ]
             if not keep:
                 break

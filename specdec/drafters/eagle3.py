@@ -32,7 +32,10 @@ from specdec.drafters.registry import register_drafter
 
 
 @register_drafter(
-    "eagle3", model="heads", trees=(None, "dynamic"), fields=("tree_topk", "max_tree_nodes", "quantization")
+    "eagle3",
+    model="heads",
+    trees=(None, "dynamic"),
+    fields=("tree_topk", "max_tree_nodes", "quantization", "draft_stop_probability"),
 )
 class Eagle3Drafter(EagleDrafter):
     """EAGLE-3 (Li et al. 2025): fused low/middle/high target features, one decoder layer, a reduced
