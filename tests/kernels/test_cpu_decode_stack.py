@@ -282,14 +282,8 @@ def test_an_eagle3_layer_takes_a_stack_of_one_with_its_attention_input(dtype, qu
     embeds = torch.randn(4, 128, generator=g).to(dtype)
     feats = torch.randn(4, 3 * 128, generator=g).to(dtype)
     positions = torch.tensor([9, 6, 7, 8])
-    calls = [0]
-    inner = stack.forward
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return inner(*args, **kwargs)
-
-    stack.forward = counted
+    inner = stack.forward  # uncounted, for the negative control
+    calls = _count_stack_calls(head.layer)
     caches = [(batch.k_cache.clone(), batch.v_cache.clone()) for _ in range(3)]
     with torch.inference_mode():
         got = head(embeds, feats, positions, caches[0], batch.metadata(), CpuAttention())
