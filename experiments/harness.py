@@ -382,16 +382,43 @@ def time_batch1(
     metrics: list[dict[str, Any]] = []
     seconds: list[float] = []
     for p, sp in zip(prompts, per_prompt, strict=True):
-        if reset_prefix_cache:
-            llm.engine.kv.pool.reset_prefix_cache()
-        sync()
-        t = time.perf_counter()
-        (o,) = llm.generate([{"prompt_token_ids": list(p)}], sp)
-        sync()
-        seconds.append(time.perf_counter() - t)
-        outputs.append(list(o.outputs[0].token_ids))
-        metrics.append(dict(o.metrics))
+        out, m, secs = _time_request(llm, p, sp, reset_prefix_cache)
+        outputs.append(out)
+        metrics.append(m)
+        seconds.append(secs)
     return Timed(outputs, sum(seconds), metrics, seconds=seconds)
+
+
+def _time_request(
+    llm: Any, prompt: Sequence[int], params: Any, reset_prefix_cache: bool = True
+) -> tuple[list[int], dict[str, Any], float]:
+    """One request alone, timed: its new token ids, its metrics and its seconds."""
+    if reset_prefix_cache:
+        llm.engine.kv.pool.reset_prefix_cache()
+    sync()
+    t = time.perf_counter()
+    (o,) = llm.generate([{"prompt_token_ids": list(prompt)}], params)
+    sync()
+    return list(o.outputs[0].token_ids), dict(o.metrics), time.perf_counter() - t
+
+
+def _oracle_start(llm: Any) -> tuple[Callable[[], dict[str, Any]], dict[str, Any]] | None:
+    """A hybrid drafter's ``report`` and its report now (the oracle's baseline), None for other drafters."""
+    report = getattr(llm.engine.drafter, "report", None)
+    return None if report is None else (report, report())
+
+
+def _batch1_row(
+    llm: Any, timed: Timed, oracle: tuple[Callable[[], dict[str, Any]], dict[str, Any]] | None
+) -> dict[str, Any]:
+    """A row of :func:`measure_batch1`: tokens, seconds, tokens per second, the speculative counters and,
+    from ``oracle`` (:func:`_oracle_start`), a hybrid's oracle since then."""
+    row: dict[str, Any] = {"tokens": timed.tokens, "time_s": timed.time_s, "tokens_per_s": timed.tokens_per_s}
+    row.update(spec_stats_fields(llm))
+    if oracle is not None:
+        report, before = oracle
+        row.update(_oracle_fields(before, report()))
+    return row
 
 
 def time_together(
@@ -456,15 +483,11 @@ def measure_batch1(
 
     llm = LLM(str(model), dtype=dtype, speculative_config=spec, **llm_kwargs)
     warm_up(llm, prompts[0] if warmup is None else warmup)
-    report = getattr(llm.engine.drafter, "report", None)  # a hybrid's oracle and member counts
-    before = report() if report is not None else None
+    oracle = _oracle_start(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     timed = time_batch1(llm, prompts, sp)
-    row: dict[str, Any] = {"tokens": timed.tokens, "time_s": timed.time_s, "tokens_per_s": timed.tokens_per_s}
-    row.update(spec_stats_fields(llm))
-    if report is not None and before is not None:
-        row.update(_oracle_fields(before, report()))
-    del llm
+    row = _batch1_row(llm, timed, oracle)
+    del llm, oracle
     free_memory()
     return row, timed
 
@@ -505,41 +528,26 @@ def measure_batch1_interleaved(
         )
 
     llms = {name: build(spec) for name, spec in specs.items()}
-    reports: dict[str, Any] = {}
+    oracles: dict[str, Any] = {}
     for name, llm in llms.items():
         warm_up(llm, prompts[0])
         llm.engine.reset_spec_stats()
-        report = getattr(llm.engine.drafter, "report", None)  # a hybrid's oracle and member counts
-        if report is not None:
-            reports[name] = (report, report())
+        oracles[name] = _oracle_start(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     outputs: dict[str, list[list[int]]] = {name: [] for name in llms}
     metrics: dict[str, list[dict[str, Any]]] = {name: [] for name in llms}
     seconds: dict[str, list[float]] = {name: [] for name in llms}
     for p in prompts:
         for name, llm in llms.items():
-            llm.engine.kv.pool.reset_prefix_cache()
-            sync()
-            t = time.perf_counter()
-            (o,) = llm.generate([{"prompt_token_ids": list(p)}], sp)
-            sync()
-            seconds[name].append(time.perf_counter() - t)
-            outputs[name].append(list(o.outputs[0].token_ids))
-            metrics[name].append(dict(o.metrics))
+            out, m, secs = _time_request(llm, p, sp)
+            outputs[name].append(out)
+            metrics[name].append(m)
+            seconds[name].append(secs)
     results: dict[str, tuple[dict[str, Any], Timed]] = {}
     for name, llm in llms.items():
         timed = Timed(outputs[name], sum(seconds[name]), metrics[name], seconds=seconds[name])
-        row: dict[str, Any] = {
-            "tokens": timed.tokens,
-            "time_s": timed.time_s,
-            "tokens_per_s": timed.tokens_per_s,
-        }
-        row.update(spec_stats_fields(llm))
-        if name in reports:
-            report, before = reports[name]
-            row.update(_oracle_fields(before, report()))
-        results[name] = (row, timed)
-    del llms, llm, reports
+        results[name] = (_batch1_row(llm, timed, oracles[name]), timed)
+    del llms, llm, oracles
     free_memory()
     return results
 
