@@ -8,8 +8,8 @@ Methods (greedy, SmolLM2-135M-Instruct by default, one request at a time):
 - ``medusa`` / ``medusa-tree``: our Medusa heads, a chain of 4 / the default static tree;
 - ``eagle`` / ``eagle-tree``: our EAGLE head, a chain of 4 / EAGLE-2's dynamic tree;
 - ``eagle3`` / ``eagle3-tree``: our EAGLE-3 head, the same chain / tree;
-- ``hybrid-eagle``: the hybrid drafter over the EAGLE head (reduced vocabulary), suffix decoding and
-  prompt lookup;
+- ``hybrid-eagle`` / ``hybrid-eagle3-int8``: the hybrid drafter over the EAGLE head (reduced
+  vocabulary) / the int8 EAGLE-3 head, suffix decoding and prompt lookup;
 - any other registered drafter, by its name: a chain of 4 (:func:`method_spec`);
 - your own rows (``extra_methods``: a name -> its ``speculative_config``), e.g. a head you trained, beside
   the shipped one in the same run.
@@ -82,12 +82,19 @@ METHODS: dict[str, dict[str, Any] | None] = {
         "draft_vocab": "{model}-eagle3",
     },
     # The hybrid with a learned member: per request and step, the EAGLE head (over the reduced vocabulary),
-    # suffix decoding or prompt lookup, whichever has been accepted most (issue 22).
+    # suffix decoding or prompt lookup, whichever is expected to have the most drafts accepted (issue 22).
     "hybrid-eagle": {
         "method": "hybrid",
         "num_speculative_tokens": 4,
         "hybrid_members": ["eagle", "suffix", "ngram"],
         "draft_vocab": "{model}-eagle3",
+    },
+    # The same with the EAGLE-3 head (int8), the fastest learned drafter here.
+    "hybrid-eagle3-int8": {
+        "method": "hybrid",
+        "num_speculative_tokens": 4,
+        "hybrid_members": ["eagle3", "suffix", "ngram"],
+        "quantization": "int8",
     },
     # The heads' weights and the LM-head rows they draft through quantized to int8 per channel (half the
     # bytes a draft token reads).

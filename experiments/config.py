@@ -185,7 +185,7 @@ class SuffixDrafterConfig(DrafterConfig):
 
 @dataclass
 class HybridDrafterConfig(SuffixDrafterConfig):
-    """Per request and step, the member drafter with the best running acceptance
+    """Per request and step, the member proposal expected to have the most drafts accepted
     (:mod:`specdec.drafters.hybrid`); the suffix and n-gram fields configure those members.
 
     Attributes:
@@ -195,6 +195,10 @@ class HybridDrafterConfig(SuffixDrafterConfig):
         model: the learned member's heads (a built-in head name or a directory; None: the target's
             built-in head), only with a learned member.
         draft_vocab: the learned member's reduced draft vocabulary (as ``drafter=eagle``'s).
+        quantization: ``int8`` or ``int4``: the learned member's head quantized (as ``drafter=eagle``'s);
+            None: not.
+        skip_outranked: skip the learned member's draft step where a model-free member's proposal
+            outranks any it could make (``hybrid_skip_outranked``).
     """
 
     method: str = "hybrid"
@@ -203,12 +207,15 @@ class HybridDrafterConfig(SuffixDrafterConfig):
     prompt_lookup_min: int = 1
     model: str | None = None
     draft_vocab: Any = None
+    quantization: str | None = None
+    skip_outranked: bool = True
 
     def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "hybrid", ...}`` for ``specdec.LLM``."""
         spec = {
             "method": "hybrid",
             "hybrid_members": list(self.members),
+            "hybrid_skip_outranked": self.skip_outranked,
             "prompt_lookup_max": self.prompt_lookup_max,
             "prompt_lookup_min": self.prompt_lookup_min,
             **self._suffix_fields(),
@@ -217,11 +224,15 @@ class HybridDrafterConfig(SuffixDrafterConfig):
             spec["model"] = self.model
         if self.draft_vocab is not None:
             spec["draft_vocab"] = draft_vocab_value(self.draft_vocab)
+        if self.quantization is not None:
+            spec["quantization"] = self.quantization
         return spec
 
     def field_keys(self) -> dict[str, str]:
-        """The suffix keys', and ``hybrid_members`` from ``drafter.members``."""
-        return {**super().field_keys(), "hybrid_members": "members"}
+        """The suffix keys', ``hybrid_members`` from ``drafter.members`` and ``hybrid_skip_outranked``
+        from ``drafter.skip_outranked``."""
+        keys = {"hybrid_members": "members", "hybrid_skip_outranked": "skip_outranked"}
+        return {**super().field_keys(), **keys}
 
 
 @dataclass

@@ -280,6 +280,10 @@ class SpeculativeConfig:
             what another request wrote (see :mod:`specdec.drafters.suffix`).
         hybrid_members: "hybrid": the drafters it chooses among per request and step (None:
             ``["suffix", "ngram"]``); see :mod:`specdec.drafters.hybrid`.
+        hybrid_skip_outranked: "hybrid" with a learned member: skip the head's draft step for a request
+            when a model-free member's proposal outranks any the head could make (True, the default);
+            False: the head drafts every step, so the hindsight counts and the oracle see its proposals
+            every step too.
         draft_vocab: "eagle" / "medusa" / "quantized_self": draft from a reduced vocabulary (EAGLE-3's
             idea): a list of target token ids, or the name or directory of an EAGLE-3 head for the same
             target whose draft vocabulary (its ``d2t``: the most frequent target tokens of its training
@@ -319,6 +323,7 @@ class SpeculativeConfig:
     suffix_cache_max_nodes: int = 1 << 20
     suffix_share_across_requests: bool = False
     hybrid_members: list[str] | None = None
+    hybrid_skip_outranked: bool = True
     draft_vocab: list[int] | str | None = None
     draft_stop_probability: float | None = None
 

@@ -449,6 +449,12 @@ def test_invalid_values_fail_before_loading(hydra_conf, override, message):
             r"drafter\.members: 'draft_model' drafts with a model of its own",
             "hybrid_",
         ),
+        (
+            ["drafter=hybrid", "drafter.quantization=int8"],
+            r"drafter\.quantization='int8' quantizes the hybrid's learned member .* the members "
+            r"\['suffix', 'ngram'\] include none",
+            "hybrid_",
+        ),
     ],
 )
 def test_suffix_and_hybrid_errors_name_the_hydra_key(hydra_conf, overrides, message, field):

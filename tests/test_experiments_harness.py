@@ -68,6 +68,7 @@ def test_defaults_are_the_old_argparse_defaults():
         "eagle-v8k",
         "eagle-v8k-tree",
         "hybrid-eagle",
+        "hybrid-eagle3-int8",
         "eagle-v8k-int8",
         "eagle3-int8",
         "medusa-v8k-int8",

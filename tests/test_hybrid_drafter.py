@@ -12,9 +12,9 @@ from sampling.params import SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
 from specdec.drafters.draft_stats import draft_depth
-from specdec.drafters.hybrid import HybridDrafter
+from specdec.drafters.hybrid import MIN_CALIBRATION, HybridDrafter, confidence_bucket
 from specdec.drafters.registry import register_drafter, unregister_drafter
-from specdec.request import Request
+from specdec.request import Request, RequestStatus
 
 
 class _Toy(DrafterBase):
@@ -118,3 +118,128 @@ def test_an_unchosen_member_is_credited_what_later_tokens_confirm(toy):
     hybrid.propose([DraftInput(req, 1, 3)])
     assert state.scores == pytest.approx([0.6, 3.0])  # without the growth n-gram would score 1.6
     assert state.open == []  # both closed: confirmed to depth, or contradicted
+
+
+def test_copiers_report_their_match_length_and_buckets_classify_it():
+    """n-gram lookup and suffix decoding give the length of the context suffix they matched; the hybrid's
+    buckets: match lengths 1..4 (longer share 4), five draft-probability bins, and 'none'."""
+    hybrid = _hybrid(["ngram", "suffix"], k=2)
+    req = Request("m", [7, 1, 2, 3, 9, 1, 2, 3], SamplingParams(temperature=0, max_tokens=20), 0)
+    ngram, suffix = (m.propose([DraftInput(req, 1, 2)])[0] for m in hybrid.members)
+    assert (ngram.token_ids, ngram.match_length) == ([9, 1], 3)  # "1 2 3" matched (prompt_lookup_max 3)
+    assert (suffix.token_ids, suffix.match_length) == ([9, 1], 3)
+    assert ngram.first_draft_prob is None
+    assert hybrid.members[0].propose([DraftInput(req, 1, 0)])[0].match_length is None  # no drafts
+    assert confidence_bucket(DraftProposal([1], match_length=9)) == ("match", 4)
+    assert confidence_bucket(DraftProposal([1], first_draft_prob=0.39)) == ("prob", 1)
+    assert confidence_bucket(DraftProposal([1], first_draft_prob=1.0)) == ("prob", 4)
+    assert confidence_bucket(DraftProposal([1])) == ("none", 0)
+
+
+class _Fixed(DrafterBase):
+    """Proposes the next proposal the test put in its ``queue`` (one per request and step)."""
+
+    def __init__(self, ctx: DrafterContext) -> None:
+        self.queue: list[DraftProposal] = []
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        return [self.queue.pop(0) for _ in batch]
+
+
+def test_the_choice_follows_the_calibrated_confidence_of_each_proposal():
+    """Per step the member with the highest expected accepted drafts for its proposal's confidence bucket
+    is chosen: the engine-wide mean hindsight score of the bucket (after MIN_CALIBRATION proposals) as a
+    prior worth CALIBRATION_WEIGHT proposals, blended with the request's own running score there. A copier
+    whose long matches were always confirmed beats a head whose running score is higher, only when its
+    match is long."""
+    register_drafter("test_fixed_a")(_Fixed)
+    register_drafter("test_fixed_b")(_Fixed)
+    try:
+        hybrid = _hybrid(["test_fixed_a", "test_fixed_b"], k=2)
+    finally:
+        unregister_drafter("test_fixed_a")
+        unregister_drafter("test_fixed_b")
+    head, copier = hybrid.members
+    params = SamplingParams(temperature=0, max_tokens=100)
+    # Calibration from 8 earlier requests of one step each: the copier's match-3 proposals confirmed to
+    # their depth (2), its match-1 proposals never; the head's prob-4 proposals 1 of 2 drafts.
+    for r in range(MIN_CALIBRATION):
+        req = Request(f"cal{r}", [0], params, 0)
+        for length in (3, 1):
+            head.queue.append(DraftProposal([5, 9], first_draft_prob=0.9))
+            copier.queue.append(DraftProposal([5, 6] if length == 3 else [7, 7], match_length=length))
+            hybrid.propose([DraftInput(req, 1, 2)])
+            req.token_ids.extend([5, 6])
+            hybrid.on_verified(req, 2, 1)
+        req.status = RequestStatus.FINISHED_LENGTH
+        hybrid.reset(req)
+    assert hybrid.calibration[0][("prob", 4)] == [2 * MIN_CALIBRATION, 2 * MIN_CALIBRATION]
+    assert hybrid.calibration[1][("match", 3)] == [2 * MIN_CALIBRATION, MIN_CALIBRATION]
+    assert hybrid.calibration[1][("match", 1)] == [0, MIN_CALIBRATION]
+    # A new request: the head is confident, the copier matched 1 token: head (1.0 against 0.0).
+    req = Request("new", [0], params, 0)
+    state = hybrid._state(req)
+    head_p, short = DraftProposal([5, 9], first_draft_prob=0.9), DraftProposal([5, 6], match_length=1)
+    assert hybrid.choose(state, [head_p, short]) == 0
+    # The copier matched 3 tokens: 2.0 beats 1.0, although neither has a running score in this request.
+    assert hybrid.choose(state, [head_p, DraftProposal([5, 6], match_length=3)]) == 1
+    # The request's own running score for the bucket moves the estimate: after one match-3 proposal of the
+    # copier with nothing accepted here, (4 * 2.0 + 1 * 0.0) / 5 = 1.6, still above the head's 1.0.
+    state.bucket_scores[1][("match", 3)], state.bucket_counts[1][("match", 3)] = 0.0, 1
+    assert hybrid.estimate(state, 1, ("match", 3)) == pytest.approx(1.6)
+    # An uncalibrated bucket falls back to the member's running score in the request (none yet: 0).
+    assert hybrid.estimate(state, 1, ("match", 2)) == 0.0
+
+
+class _FixedHead(_Fixed):
+    """A learned member (reads the target's features): records the depth it was asked for."""
+
+    uses_hidden_states = True
+
+    def __init__(self, ctx: DrafterContext) -> None:
+        super().__init__(ctx)
+        self.asked: list[int] = []
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        self.asked.extend(x.max_drafts for x in batch)
+        return [self.queue.pop(0) if x.max_drafts > 0 else DraftProposal([]) for x in batch]
+
+    def observe(self, request, start_position, hidden_states) -> None:
+        pass
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_head_skips_steps_a_copier_outranks(skip):
+    """With ``hybrid_skip_outranked`` the learned member is asked for no drafts (depth 0) for a request
+    whose model-free proposal has a higher estimate than any first-draft probability could give the head;
+    otherwise it drafts every step."""
+    register_drafter("test_fixed_head")(_FixedHead)
+    register_drafter("test_fixed_copier")(_Fixed)
+    try:
+        config = SpeculativeConfig(
+            "hybrid", 2, hybrid_members=["test_fixed_head", "test_fixed_copier"], hybrid_skip_outranked=skip
+        )
+        hybrid = HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
+    finally:
+        unregister_drafter("test_fixed_head")
+        unregister_drafter("test_fixed_copier")
+    head, copier = hybrid.members
+    req = Request("s", [0], SamplingParams(temperature=0, max_tokens=100), 0)
+    # Step 1: the head drafts [5, 9] (1 accepted); the copier's match-3 proposal [5, 6] would have had 2.
+    head.queue.append(DraftProposal([5, 9], first_draft_prob=0.9))
+    copier.queue.append(DraftProposal([5, 6], match_length=3))
+    assert hybrid.propose([DraftInput(req, 1, 2)])[0].token_ids == [5, 9]
+    req.token_ids.extend([5, 6])
+    hybrid.on_verified(req, 2, 1)
+    # Step 2: the copier's match-3 bucket scores 2 in this request, the head's best is its running score 1.
+    head.queue.append(DraftProposal([7, 7], first_draft_prob=0.9))
+    copier.queue.append(DraftProposal([8, 8], match_length=3))
+    assert hybrid.propose([DraftInput(req, 1, 2)])[0].token_ids == [8, 8]
+    assert head.asked == ([2, 0] if skip else [2, 2])
+    # Step 3: a copier with nothing to propose never makes the head skip.
+    req.token_ids.extend([8])
+    hybrid.on_verified(req, 2, 0)
+    head.queue[:] = [DraftProposal([3], first_draft_prob=0.5)]  # (step 2's [7, 7] was never asked for)
+    copier.queue.append(DraftProposal([]))
+    assert hybrid.propose([DraftInput(req, 1, 2)])[0].token_ids == [3]
+    assert head.asked[-1] == 2

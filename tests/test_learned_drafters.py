@@ -452,3 +452,34 @@ def test_hydra_drafter_group_passes_head_quantization():
         assert cfg.drafter.speculative_config()["quantization"] == "int8"
         cfg = to_experiment_config(compose("config", overrides=["drafter=medusa"]))
         assert "quantization" not in cfg.drafter.speculative_config()
+
+
+@pytest.mark.parametrize("member", ["medusa", "eagle"])
+def test_a_hybrid_reads_each_heads_first_draft_probability(random_setup, member):
+    """As a hybrid member (drafting every step here) each head reports the probability of its first draft
+    under its own distribution, a number in (0, 1], and outputs stay those of plain greedy decoding."""
+    prompts = _prompts(3, VOCAB)
+    base, _ = _run(random_setup / "target", prompts, [12, 12, 12])
+    spec = {
+        "method": "hybrid",
+        "num_speculative_tokens": 3,
+        "hybrid_members": [member, "ngram"],
+        "model": str(random_setup / member),
+        "hybrid_skip_outranked": False,
+    }
+    llm = LLM(random_setup / "target", skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    head = llm.engine.drafter.members[0]
+    seen: list[float | None] = []
+    propose = head.propose
+
+    def recording(batch):
+        out = propose(batch)
+        seen.extend(p.first_draft_prob for p in out if p.token_ids)
+        return out
+
+    head.propose = recording
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == base
+    assert seen and all(p is not None and 0 < p <= 1 for p in seen)
+    assert {kind for kind, _ in llm.engine.drafter.calibration[0]} == {"prob"}

@@ -110,14 +110,26 @@ def _learned_spec(head, tree: bool, k: int = 3) -> dict:
     return _spec("hybrid", tree, False, k=k, hybrid_members=["eagle", "suffix", "ngram"], model=str(head))
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_a_learned_member_keeps_greedy_output_exact(setup, eagle_head, tree):
+@pytest.mark.parametrize(
+    "tree, quantization", [(False, None), (True, None), (False, "int8")], ids=["chain", "tree", "chain-int8"]
+)
+def test_a_learned_member_keeps_greedy_output_exact(setup, eagle_head, tree, quantization):
+    """Greedy output equals plain decoding with the head as a member (chains, trees, the head's weights in
+    int8), and the choice reads every member's per-step confidence: the head's first-draft probability,
+    the copiers' match lengths, each in the engine-wide calibration table."""
     common = dict(skip_tokenizer_init=True, block_size=4)
     base = _greedy(LLM(setup["target"], **common), PROMPTS)
-    llm = LLM(setup["target"], speculative_config=_learned_spec(eagle_head, tree), **common)
+    spec = {**_learned_spec(eagle_head, tree), "quantization": quantization}
+    llm = LLM(setup["target"], speculative_config=spec, **common)
     drafter = llm.engine.drafter
     assert llm.engine.drafter.uses_hidden_states  # the target's forward returns the head's features
     assert _greedy(llm, PROMPTS) == base
+    head_buckets, *copier_buckets = ({kind for kind, _ in table} for table in drafter.calibration)
+    assert head_buckets == {"prob"} and copier_buckets == [{"match"}, {"match"}]
+    if quantization is not None:
+        from specdec.quantization.linear import QuantizedLinear
+
+        assert any(isinstance(m, QuantizedLinear) for m in drafter.members[0].head.modules())
     report = drafter.report()["members"]
     assert report["eagle"]["num_chosen"] > 0 and report["eagle"]["hindsight_accepted"] > 0
     assert report["suffix"]["num_chosen"] + report["ngram"]["num_chosen"] > 0  # and the copiers took over

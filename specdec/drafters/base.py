@@ -67,11 +67,21 @@ class DraftProposal:
         parents: None for a chain; for a token tree, each node's parent (-1 = the last committed token),
             in topological order (see :class:`sampling.token_tree.TokenTree`). The engine keeps at most
             ``max_tree_nodes`` nodes of depth at most ``max_drafts``.
+        match_length: a copying drafter's per-step confidence (n-gram lookup, suffix decoding): how many
+            tokens of the context's suffix matched the text it copies from; None otherwise.
+        first_draft_prob: a learned drafter's per-step confidence (EAGLE, EAGLE-3, Medusa): the
+            probability its own distribution gives its first draft token (a tree: its best first-level
+            token), in [0, 1]; None otherwise.
+
+    ``match_length`` and ``first_draft_prob`` describe the proposal only (the hybrid drafter ranks its
+    members' proposals by them, :mod:`specdec.drafters.hybrid`); the verifier never reads them.
     """
 
     token_ids: list[int]
     draft_probs: torch.Tensor | None = None
     parents: list[int] | None = None
+    match_length: int | None = None
+    first_draft_prob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,9 @@ class DrafterBase:
     """No-op defaults of the :class:`Drafter` hooks; a subclass implements :meth:`propose`."""
 
     uses_hidden_states: bool = False
+    #: Set by a hybrid drafter over this one: fill ``DraftProposal.first_draft_prob`` (a learned drafter
+    #: pays a softmax over its draft vocabulary per step for it; copiers give ``match_length`` always).
+    reports_confidence: bool = False
     #: Seconds and tokens of the latest :meth:`propose`'s catch-up forwards of their own (0: none).
     catch_up_s: float = 0.0
     catch_up_tokens: int = 0

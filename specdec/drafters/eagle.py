@@ -30,6 +30,7 @@ acceptance.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -262,6 +263,7 @@ class EagleDrafter(DrafterBase):
         feature = root_features
         active = list(range(len(drafting)))
         stop = self.config.draft_stop_probability
+        first = True
         while True:
             logits = self._logits(feature)
             tokens = self._choose(
@@ -269,13 +271,16 @@ class EagleDrafter(DrafterBase):
             )
             for r, token in zip(active, tokens):
                 proposals[drafting[r]].token_ids.append(token)
+            top_prob = None
+            if stop is not None or (first and self.reports_confidence):
+                top_prob = torch.softmax(logits, -1).amax(-1)
+            if first and top_prob is not None and self.reports_confidence:
+                for r, p in zip(active, top_prob.tolist()):
+                    proposals[drafting[r]].first_draft_prob = p
+            first = False
             # Confident rows only go on (draft_stop_probability): the head's top-1 probability, a function
             # of the drafts so far, so the verification stays exact.
-            confident = (
-                [True] * len(active)
-                if stop is None
-                else (torch.softmax(logits, -1).amax(-1) >= stop).tolist()
-            )
+            confident = [True] * len(active) if stop is None else (top_prob >= stop).tolist()
             keep = [
                 j
                 for j, r in enumerate(active)
@@ -350,4 +355,7 @@ class EagleDrafter(DrafterBase):
                     scores.append(scores[c] + lp)
         keep = select_top_nodes(scores, parents, budget)
         index = {c: j for j, c in enumerate(keep)}
-        return DraftProposal([tokens[c] for c in keep], parents=[index.get(parents[c], -1) for c in keep])
+        proposal = DraftProposal([tokens[c] for c in keep], parents=[index.get(parents[c], -1) for c in keep])
+        if self.reports_confidence:
+            proposal.first_draft_prob = math.exp(max(scores[c] for c in range(min(topk, len(scores)))))
+        return proposal

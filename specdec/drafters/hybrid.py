@@ -1,14 +1,25 @@
-"""A hybrid drafter: per request and per step, the member drafter whose drafts have been accepted most.
+"""A hybrid drafter: per request and per step, the member proposal expected to have the most drafts accepted.
 
 The measured winner changes with the task (prompt lookup on code, learned drafters on chat; suffix
 decoding where text repeats across turns and requests), so ``method="hybrid"`` runs every member each
 step (model-free members cost microseconds; a learned member, at most one: an EAGLE, EAGLE-3 or Medusa
 head, loaded from ``model`` or the target's built-in head, costs its draft step) and submits one proposal
-per request: that of the member
-with the highest running score among those that proposed something. After the step, every member's
-proposal is scored in hindsight against the tokens the step committed: a chain scores its longest prefix
-equal to them, a tree its longest root path. A request's score per member is an exponential moving
-average of those scores (decay :data:`DECAY`); before any, members are tried in their configured order.
+per request: that of the member with the highest :meth:`HybridDrafter.estimate` among those that
+proposed something. After the step, every member's proposal is scored in hindsight against the tokens
+the step committed: a chain scores its longest prefix equal to them, a tree its longest root path. A
+request's score per member is an exponential moving average of those scores (decay :data:`DECAY`);
+before any, members are tried in their configured order.
+
+**Per-step confidence.** Each proposal carries its member's own confidence: a copier's matched suffix
+length (``DraftProposal.match_length``), a learned drafter's probability of its first draft
+(``first_draft_prob``), put in a few buckets (:func:`confidence_bucket`). The hybrid keeps, per member and
+bucket, the request's running score and an engine-wide mean of the final hindsight scores (a
+calibration table over every request's steps), and estimates a proposal's accepted drafts from both
+(:meth:`HybridDrafter.estimate`): a copier's long match can then win a step against a head whose steady
+short acceptances keep its running score higher. On Spec-Bench (26 questions, greedy, SmolLM2) the
+EAGLE-3 + suffix + n-gram hybrid's τ went from 1.82 to 1.87, and from 1.84 to 1.92 on 26 other questions
+(docs/suffix_decoding.md). The table pools acceptance counts across requests (never their text): a
+request's member choice, and so its speed but never its output, depends on the requests before it.
 A proposal that every token committed so far confirms stays open: as later steps commit more tokens its
 hindsight score grows, and the growth is added to the running score with the weight that score's term
 has by then (a step commits only the chosen member's accepted drafts and one more token, so without this
@@ -29,7 +40,7 @@ output: exact for greedy requests). Each request's own counts are in ``request.d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,7 +74,9 @@ def check_hybrid_config(config: SpeculativeConfig) -> None:
         ConfigError: ``hybrid_members`` not a non-empty list of distinct registered drafter names, a
             member that drafts with a model of its own (a draft model, the quantized target: not
             supported), more than one learned member (heads), "hybrid" itself, a member that does not
-            draft the configured ``tree``; the suffix fields' errors.
+            draft the configured ``tree``; ``hybrid_skip_outranked`` not a bool; ``quantization`` without a
+            learned member (it quantizes that member's head, as for the member alone); the suffix fields'
+            errors.
     """
     members = config.hybrid_members
     if members is not None:
@@ -94,6 +107,13 @@ def check_hybrid_config(config: SpeculativeConfig) -> None:
         learned = [m for m in members if get_drafter(m).model == "heads"]
         if len(learned) > 1:
             raise ConfigError(f"hybrid_members: at most one learned head (they share model=), got {learned}")
+    if not isinstance(config.hybrid_skip_outranked, bool):
+        raise ConfigError(f"hybrid_skip_outranked must be a bool, got {config.hybrid_skip_outranked!r}")
+    if config.quantization is not None and learned_member(config) is None:
+        raise ConfigError(
+            f"quantization={config.quantization!r} quantizes the hybrid's learned member (eagle, eagle3, "
+            f"medusa), and the members {list(config.hybrid_members or DEFAULT_MEMBERS)} include none"
+        )
     check_suffix_config(config)
 
 
@@ -121,20 +141,47 @@ class _Step:
     counted: bool = False  # the chosen member's accepted drafts were counted (on_verified)
 
 
+#: A proposal's confidence bucket (:func:`confidence_bucket`).
+Bucket = tuple[str, int]
+#: Largest ``match_length`` bucket (longer matches share it) and the ``first_draft_prob`` buckets' count.
+MAX_MATCH_BUCKET = 4
+PROB_BUCKETS = 5
+#: Scored proposals of a (member, bucket) engine-wide before its calibrated mean is used, and that mean's
+#: weight against the request's own running score for the bucket, in proposals.
+MIN_CALIBRATION = 8
+CALIBRATION_WEIGHT = 4.0
+
+
+def confidence_bucket(proposal: DraftProposal) -> Bucket:
+    """The per-step confidence class of a member's proposal: ``("match", min(match_length, 4))`` for a
+    copier, ``("prob", b)`` with ``b = floor(5 × first_draft_prob)`` (at most 4) for a learned drafter,
+    ``("none", 0)`` for a proposal that reports neither."""
+    if proposal.match_length is not None:
+        return ("match", min(int(proposal.match_length), MAX_MATCH_BUCKET))
+    if proposal.first_draft_prob is not None:
+        return ("prob", min(int(proposal.first_draft_prob * PROB_BUCKETS), PROB_BUCKETS - 1))
+    return ("none", 0)
+
+
 @dataclass
 class _Open:
     """A member's scored proposal that every committed token so far confirms: its score may still grow."""
 
     step: _Step
     member: int
-    got: int  # its hindsight score so far, in the member's running score
+    bucket: Bucket
+    got: int  # its hindsight score so far, in the member's running scores
     depth: int  # the proposal's drafts on its longest path (draft_depth): confirmed that far, it closes
-    weight: float  # that term's weight in the running score now (DECAY per later update)
+    weight: float  # that term's weight in the member's running score now (DECAY per later update)
+    bucket_weight: float  # the same in the member's running score for ``bucket``
 
 
 @dataclass
 class _HybridState:
     scores: list[float | None]
+    #: Per member, a running score per confidence bucket (same decay, updated by that bucket's proposals).
+    bucket_scores: list[dict[Bucket, float]] = field(default_factory=list)
+    bucket_counts: list[dict[Bucket, int]] = field(default_factory=list)
     pending: _Step | None = None  # scored at the next proposal (or when the request ends)
     history: list[_Step] = field(default_factory=list)  # for the oracle, scored at the end
     open: list[_Open] = field(default_factory=list)  # each closes within k steps: at most members x k
@@ -145,7 +192,7 @@ class _HybridState:
     trees=(None, "dynamic"),
     fields=(
         "hybrid_members", "prompt_lookup_max", "prompt_lookup_min", "max_tree_nodes", "tree_topk",
-        "draft_vocab", *SUFFIX_FIELDS,
+        "draft_vocab", "quantization", "hybrid_skip_outranked", *SUFFIX_FIELDS,
     ),
     check_config=check_hybrid_config,
     check_target=check_member_target,
@@ -177,7 +224,16 @@ class HybridDrafter(DrafterBase):
         #: The target layers whose residual streams a member reads (an EAGLE-3 member), else ().
         layers = [getattr(m, "feature_layers", ()) for m in self.members]
         self.feature_layers = next((f for f in layers if f), ())
+        for m in self.members:
+            m.reports_confidence = True  # type: ignore[attr-defined]
+        #: Index of the learned member (a head), or None.
+        self._learned = next((i for i, m in enumerate(self.members) if m.uses_hidden_states), None)
+        #: Skip the learned member's draft step for a request when a model-free member's proposal
+        #: outranks any it could make (:meth:`_outranked`; ``hybrid_skip_outranked``).
+        self.skip_outranked = ctx.config.hybrid_skip_outranked
         self.states: dict[str, _HybridState] = {}
+        #: Engine-wide, per member and confidence bucket: [summed hindsight accepted drafts, proposals].
+        self.calibration: list[dict[Bucket, list[int]]] = [{} for _ in self.members]
         self.stats = {n: MemberStats() for n in self.names}
         self.oracle_steps = 0
         self.oracle_accepted = 0
@@ -185,7 +241,9 @@ class HybridDrafter(DrafterBase):
     def _state(self, request: Request) -> _HybridState:
         state = self.states.get(request.request_id)
         if state is None:
-            state = self.states[request.request_id] = _HybridState([None] * len(self.members))
+            state = self.states[request.request_id] = _HybridState(
+                [None] * len(self.members), [{} for _ in self.members], [{} for _ in self.members]
+            )
             request.drafter_metrics = {n: MemberStats() for n in self.names}
         return state
 
@@ -198,10 +256,20 @@ class HybridDrafter(DrafterBase):
             got = accepted_length(o.step.proposals[o.member], committed)
             if got > o.got:
                 state.scores[o.member] = (state.scores[o.member] or 0.0) + o.weight * (got - o.got)
+                by_bucket = state.bucket_scores[o.member]
+                by_bucket[o.bucket] = by_bucket.get(o.bucket, 0.0) + o.bucket_weight * (got - o.got)
                 o.got = got
             if got == len(committed) and got < o.depth:
                 still.append(o)
+            else:
+                self._calibrate(o.member, o.bucket, got)
         state.open = still
+
+    def _calibrate(self, member: int, bucket: Bucket, got: int) -> None:
+        """Count a proposal's final hindsight score in the engine-wide table."""
+        entry = self.calibration[member].setdefault(bucket, [0, 0])
+        entry[0] += got
+        entry[1] += 1
 
     def _score_pending(self, request: Request, state: _HybridState) -> None:
         self._refresh_open(request, state)
@@ -214,36 +282,108 @@ class HybridDrafter(DrafterBase):
             if not proposal.token_ids:
                 continue
             got = accepted_length(proposal, committed)
+            bucket = confidence_bucket(proposal)
             old = state.scores[i]
             state.scores[i] = got if old is None else DECAY * old + (1 - DECAY) * got
+            by_bucket = state.bucket_scores[i]
+            old_bucket = by_bucket.get(bucket)
+            by_bucket[bucket] = got if old_bucket is None else DECAY * old_bucket + (1 - DECAY) * got
+            state.bucket_counts[i][bucket] = state.bucket_counts[i].get(bucket, 0) + 1
             for o in state.open:
                 if o.member == i:
                     o.weight *= DECAY
+                    if o.bucket == bucket:
+                        o.bucket_weight *= DECAY
             depth = draft_depth(proposal) if got == len(committed) else 0
             if got < depth:
-                state.open.append(_Open(step, i, got, depth, 1.0 if old is None else 1 - DECAY))
+                state.open.append(
+                    _Open(
+                        step, i, bucket, got, depth,
+                        1.0 if old is None else 1 - DECAY, 1.0 if old_bucket is None else 1 - DECAY,
+                    )
+                )  # fmt: skip
+            else:
+                self._calibrate(i, bucket, got)
             if i == step.chosen and not step.counted:  # the request's last step: no on_verified
                 self._count_accepted(request, i, min(got, len(committed)))
 
+    def estimate(self, state: _HybridState, member: int, bucket: Bucket) -> float:
+        """Expected accepted drafts of a proposal of ``member`` in confidence ``bucket`` this step, from
+        tokens committed before it.
+
+        With ``b`` the proposal's :func:`confidence_bucket`, ``c`` the engine-wide mean hindsight score of
+        the member's proposals in ``b`` (once :data:`MIN_CALIBRATION` are counted), ``r`` the request's
+        running score for ``b`` over its ``n`` proposals there: ``(W c + n r) / (W + n)`` with ``W =``
+        :data:`CALIBRATION_WEIGHT` (the engine-wide mean as a prior worth ``W`` proposals); ``r`` alone
+        before ``c`` exists; without either, the member's running score; else 0."""
+        own = state.bucket_scores[member].get(bucket)
+        entry = self.calibration[member].get(bucket)
+        if entry is not None and entry[1] >= MIN_CALIBRATION:
+            calibrated = entry[0] / entry[1]
+            if own is None:
+                return calibrated
+            n = state.bucket_counts[member][bucket]
+            return (CALIBRATION_WEIGHT * calibrated + n * own) / (CALIBRATION_WEIGHT + n)
+        if own is not None:
+            return own
+        score = state.scores[member]
+        return 0.0 if score is None else score
+
     def choose(self, state: _HybridState, proposals: list[DraftProposal]) -> int:
-        """The member to submit: the best running score among non-empty proposals (unscored members
-        count as 0; ties go to the earlier member); -1 when none proposed anything."""
+        """The member to submit: the highest :meth:`estimate` among non-empty proposals (ties go to the
+        earlier member); -1 when none proposed anything."""
         best, best_score = -1, -1.0
         for i, p in enumerate(proposals):
             if not p.token_ids:
                 continue
-            s = state.scores[i]
-            score = 0.0 if s is None else s
+            score = self.estimate(state, i, confidence_bucket(p))
             if score > best_score:
                 best, best_score = i, score
         return best
 
+    def _outranked(self, state: _HybridState, proposals: list[DraftProposal | None]) -> bool:
+        """Whether a model-free member's proposal has a higher :meth:`estimate` than the learned member
+        could reach with any first-draft probability (its best bucket), so the head need not draft."""
+        assert self._learned is not None
+        free = [
+            self.estimate(state, i, confidence_bucket(p))
+            for i, p in enumerate(proposals)
+            if p is not None and p.token_ids
+        ]
+        if not free:
+            return False
+        buckets = [("prob", b) for b in range(PROB_BUCKETS)] + [("none", 0)]
+        head = max(self.estimate(state, self._learned, b) for b in buckets)
+        return max(free) > head
+
+    def _propose_members(self, batch: list[DraftInput]) -> list[list[DraftProposal]]:
+        """Every member's proposals ``[member][request]``: the model-free members first; the learned
+        member then drafts only for the requests whose best model-free proposal does not outrank it
+        (:attr:`skip_outranked`; the others get an empty proposal)."""
+        learned = self._learned
+        per_member: list[list[DraftProposal] | None] = [
+            None if i == learned else m.propose(batch) for i, m in enumerate(self.members)
+        ]
+        if learned is not None:
+            inputs = batch
+            if self.skip_outranked:
+                inputs = [
+                    replace(x, max_drafts=0)
+                    if x.max_drafts > 0
+                    and self._outranked(self.states[x.request.request_id], [p and p[j] for p in per_member])
+                    else x
+                    for j, x in enumerate(batch)
+                ]
+            per_member[learned] = self.members[learned].propose(inputs)
+        return per_member  # type: ignore[return-value]
+
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
-        per_member = [m.propose(batch) for m in self.members]
+        for x in batch:  # scores first: the choice (and the learned member's skip) read them
+            self._score_pending(x.request, self._state(x.request))
+        per_member = self._propose_members(batch)
         out = []
         for j, x in enumerate(batch):
-            state = self._state(x.request)
-            self._score_pending(x.request, state)
+            state = self.states[x.request.request_id]
             proposals = [per_member[i][j] for i in range(len(self.members))]
             if x.max_drafts <= 0:
                 out.append(DraftProposal([]))
@@ -301,6 +441,8 @@ class HybridDrafter(DrafterBase):
         if state is None:
             return
         self._score_pending(request, state)
+        for o in state.open:
+            self._calibrate(o.member, o.bucket, o.got)
         tokens = request.token_ids
         per_request = getattr(request, "drafter_metrics", None) or {}
         for step in state.history:

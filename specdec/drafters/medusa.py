@@ -131,16 +131,21 @@ class MedusaDrafter(DrafterBase):
         else:
             logits = self.vocab.logits(hidden)  # [B, depth, V'] float32
         to_target = (lambda i: i) if self.vocab is None else self.vocab.to_target
+        # The first head's top-1 probability per request (per-step confidence, for a hybrid).
+        first = torch.softmax(logits[:, 0], -1).amax(-1).tolist() if self.reports_confidence else None
         if self.tree is None:
             tokens = to_target(argmax_rows(logits)).tolist()
             for row, i in enumerate(drafting):
                 proposals[i] = DraftProposal(tokens[row][: batch[i].max_drafts])
-            return proposals
-        top = to_target(logits.topk(self.tree.max_rank + 1, dim=-1).indices).tolist()  # [B, depth, ranks]
-        for row, i in enumerate(drafting):
-            tree = self.tree
-            tokens = [top[row][d - 1][r] if d <= depth else 0 for d, r in zip(tree.depths, tree.ranks)]
-            proposals[i] = DraftProposal(tokens, parents=list(tree.parents))
+        else:
+            top = to_target(logits.topk(self.tree.max_rank + 1, dim=-1).indices).tolist()  # [B, depth, ranks]
+            for row, i in enumerate(drafting):
+                tree = self.tree
+                tokens = [top[row][d - 1][r] if d <= depth else 0 for d, r in zip(tree.depths, tree.ranks)]
+                proposals[i] = DraftProposal(tokens, parents=list(tree.parents))
+        if first is not None:
+            for row, i in enumerate(drafting):
+                proposals[i].first_draft_prob = first[row]
         return proposals
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:

@@ -59,8 +59,12 @@ class NgramDrafter(DrafterBase):
 
     def propose_one(self, request: Request, max_drafts: int) -> list[int]:
         """Up to ``max_drafts`` tokens that followed the latest earlier match of the longest suffix."""
+        return self._match(request, max_drafts)[0]
+
+    def _match(self, request: Request, max_drafts: int) -> tuple[list[int], int]:
+        """:meth:`propose_one`'s drafts and the length of the suffix they follow (0: none)."""
         if max_drafts <= 0:
-            return []
+            return [], 0
         tokens = request.token_ids
         index = self._index(request)
         for n in range(self.n_max, self.n_min - 1, -1):
@@ -68,11 +72,15 @@ class NgramDrafter(DrafterBase):
                 continue
             end = index.last_end[n].get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end : end + max_drafts]
-        return []
+                return tokens[end : end + max_drafts], n
+        return [], 0
 
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
-        return [DraftProposal(self.propose_one(x.request, x.max_drafts)) for x in batch]
+        out = []
+        for x in batch:
+            drafts, n = self._match(x.request, x.max_drafts)
+            out.append(DraftProposal(drafts, match_length=n if drafts else None))
+        return out
 
     def continue_draft(self, request: Request, drafts: list[int], max_drafts: int) -> list[int]:
         """Up to ``max_drafts`` tokens continuing ``request.token_ids + drafts`` (a hypothetical context,

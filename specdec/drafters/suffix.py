@@ -190,7 +190,11 @@ class SuffixDrafter(DrafterBase):
             if x.max_drafts <= 0:  # a prompt chunk (or no drafts this step): index what it computes
                 self._catch_up(x.request, x.request.num_computed_tokens + x.num_new_tokens)
             d = self.draft(x.request, x.max_drafts, x.max_tree_nodes)
-            out.append(DraftProposal([]) if d is None else DraftProposal(d.token_ids, parents=d.parents))
+            out.append(
+                DraftProposal([])
+                if d is None
+                else DraftProposal(d.token_ids, parents=d.parents, match_length=d.match_length)
+            )
             if self.counts is not None:
                 self.counts.proposed(x, out[-1])
         return out
