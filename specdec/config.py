@@ -384,6 +384,8 @@ class SpeculativeConfig:
                     "draft_stop_probability cuts chains; a tree ranks its nodes instead (tree=None)"
                 )
             self.draft_stop_probability = float(stop)
+        if self.quantization is not None:
+            self.quantization_config()  # the scheme's own checks, before any weights load (every taker)
         if self.draft_vocab is not None and not isinstance(self.draft_vocab, str):
             ids = self.draft_vocab
             if (

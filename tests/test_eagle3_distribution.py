@@ -85,8 +85,12 @@ def save_random_eagle3_head(target_dir, draft_vocab: list[int], out, seed: int =
     save_heads(head, cfg, out)
 
 
-def make_llm(setup, tree: bool, quantization: str | None = None, stop: float | None = None) -> LLM:
+def make_llm(
+    setup, tree: bool, quantization: str | None = None, stop: float | None = None, hybrid: bool = False
+) -> LLM:
     spec = {"method": "eagle3", "model": str(setup["head"]), "num_speculative_tokens": K}
+    if hybrid:  # the head as a hybrid member beside the copiers (its top-1 probability ranks its proposals)
+        spec.update(method="hybrid", hybrid_members=["eagle3", "suffix", "ngram"])
     if quantization is not None:
         spec["quantization"] = quantization
     if stop is not None:
@@ -108,17 +112,25 @@ def make_llm(setup, tree: bool, quantization: str | None = None, stop: float | N
 
 
 @pytest.mark.parametrize(
-    ("tree", "quantization", "stop"),
-    [(False, None, None), (True, None, None), (False, "int8", None), (False, None, 0.35)],
-    ids=["chain", "tree", "chain-int8", "chain-stop"],
+    ("tree", "quantization", "stop", "hybrid"),
+    [
+        (False, None, None, False),
+        (True, None, None, False),
+        (False, "int8", None, False),
+        (False, None, 0.35, False),
+        (False, None, None, True),
+    ],
+    ids=["chain", "tree", "chain-int8", "chain-stop", "chain-hybrid"],
 )
 def test_eagle3_reduced_vocabulary_output_distribution_matches_target(
-    setup, tree, quantization, stop, monkeypatch
+    setup, tree, quantization, stop, hybrid, monkeypatch
 ):
     """``chain-int8``: the head's weights quantized (``speculative_config["quantization"]``): sampled
     drafts come from the quantized head's distribution, which is what they report. ``chain-stop``: chains
     cut after a draft whose head distribution gives its top token less than 0.35
-    (``draft_stop_probability``), so steps draft 1 or 2 tokens."""
+    (``draft_stop_probability``), so steps draft 1 or 2 tokens. ``chain-hybrid``: the head as a member of
+    the hybrid drafter beside suffix decoding and n-gram lookup, chosen per step by its top-1 probability
+    (never by its sampled draft), skipped where a copier outranks it."""
     import specdec.drafters.eagle3 as eagle3
 
     drafted: list[int] = []
@@ -132,15 +144,18 @@ def test_eagle3_reduced_vocabulary_output_distribution_matches_target(
         return tokens, probs
 
     monkeypatch.setattr(eagle3, "draw_draft_tokens", recording)
-    llm = make_llm(setup, tree, quantization, stop)
+    llm = make_llm(setup, tree, quantization, stop, hybrid)
     if quantization is not None:
         from specdec.quantization.linear import QuantizedLinear
 
         assert isinstance(llm.engine.drafter.head.lm_head, QuantizedLinear)
     counts = sample_counts(llm, NUM_CALLS, seed_base=7 * 10**6, greedy_chain=setup["greedy"])
     label = f"eagle3 {'tree' if tree else 'chain'}{'' if quantization is None else ' ' + quantization}"
-    label += "" if stop is None else f" stop {stop}"
+    label += ("" if stop is None else f" stop {stop}") + (" hybrid" if hybrid else "")
     check_all(setup, counts, label)
+    if hybrid:  # the head drafted, ranked by its top-1 probability's bucket
+        assert llm.engine.drafter.report()["members"]["eagle3"]["num_chosen"] > 0
+        assert {kind for kind, _ in llm.engine.drafter.calibration[0]} == {"prob"}
     stats = llm.engine.spec_stats
     print(f"[spec] {label}: {stats.as_dict()}")
     assert stats.num_drafts > NUM_CALLS * BATCH // 4

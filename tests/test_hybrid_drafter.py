@@ -243,3 +243,29 @@ def test_the_head_skips_steps_a_copier_outranks(skip):
     copier.queue.append(DraftProposal([]))
     assert hybrid.propose([DraftInput(req, 1, 2)])[0].token_ids == [3]
     assert head.asked[-1] == 2
+
+
+def test_a_skipped_head_drafts_again_after_max_skips():
+    """A head the copier outranks is skipped at most MAX_SKIPS steps in a row, then drafts (and is scored)
+    once: a head whose figures were frozen by skipping would otherwise never be measured again. A head's
+    non-finite probability falls in the lowest bin."""
+    register_drafter("test_fixed_head")(_FixedHead)
+    register_drafter("test_fixed_copier")(_Fixed)
+    try:
+        config = SpeculativeConfig("hybrid", 2, hybrid_members=["test_fixed_head", "test_fixed_copier"])
+        hybrid = HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
+    finally:
+        unregister_drafter("test_fixed_head")
+        unregister_drafter("test_fixed_copier")
+    head, copier = hybrid.members
+    req = Request("k", [0], SamplingParams(temperature=0, max_tokens=100), 0)
+    for step in range(9):
+        # The copier (match 3) was right at step 0 only; the head is never right: it is skipped while the
+        # copier's running score (2, decaying 0.7 a step) beats the head's (0), except every 4th step.
+        head.queue[:] = [DraftProposal([1, 1], first_draft_prob=0.9)]
+        copier.queue.append(DraftProposal([5, 6] if step == 0 else [7, 7], match_length=3))
+        hybrid.propose([DraftInput(req, 1, 2)])
+        req.token_ids.extend([5, 6])
+        hybrid.on_verified(req, 2, 0)
+    assert head.asked == [2, 0, 0, 0, 2, 0, 0, 0, 2]
+    assert confidence_bucket(DraftProposal([1], first_draft_prob=float("nan"))) == ("prob", 0)

@@ -69,9 +69,9 @@ class DraftProposal:
             ``max_tree_nodes`` nodes of depth at most ``max_drafts``.
         match_length: a copying drafter's per-step confidence (n-gram lookup, suffix decoding): how many
             tokens of the context's suffix matched the text it copies from; None otherwise.
-        first_draft_prob: a learned drafter's per-step confidence (EAGLE, EAGLE-3, Medusa): the
-            probability its own distribution gives its first draft token (a tree: its best first-level
-            token), in [0, 1]; None otherwise.
+        first_draft_prob: a learned drafter's per-step confidence (EAGLE, EAGLE-3, Medusa): the top-1
+            probability of its own distribution at the first draft position (the first draft's, unless
+            it was sampled), in [0, 1]; None otherwise.
 
     ``match_length`` and ``first_draft_prob`` describe the proposal only (the hybrid drafter ranks its
     members' proposals by them, :mod:`specdec.drafters.hybrid`); the verifier never reads them.

@@ -17,7 +17,7 @@ bucket, the request's running score and an engine-wide mean of the final hindsig
 calibration table over every request's steps), and estimates a proposal's accepted drafts from both
 (:meth:`HybridDrafter.estimate`): a copier's long match can then win a step against a head whose steady
 short acceptances keep its running score higher. On Spec-Bench (26 questions, greedy, SmolLM2) the
-EAGLE-3 + suffix + n-gram hybrid's τ went from 1.82 to 1.87, and from 1.84 to 1.92 on 26 other questions
+EAGLE-3 + suffix + n-gram hybrid's τ went from 1.82 to 1.86, and from 1.84 to 1.92 on 26 other questions
 (docs/suffix_decoding.md). The table pools acceptance counts across requests (never their text): a
 request's member choice, and so its speed but never its output, depends on the requests before it.
 A proposal that every token committed so far confirms stays open: as later steps commit more tokens its
@@ -26,10 +26,11 @@ has by then (a step commits only the chosen member's accepted drafts and one mor
 an unchosen member that would have had 4 drafts accepted where the chosen one had 0 was credited 1: the
 member drafting held its place against a better copier).
 
-Exactness: the member is chosen from committed tokens only, before the step's drafts are verified, and
-every member is deterministic, so whichever member drafts, the exact verifier keeps the target's
-distribution (as for the speculation policies, :mod:`specdec.policies.base`). The speculation policy
-still sets each request's depth (``max_drafts``) before the hybrid drafts.
+Exactness: the member is chosen from committed tokens only, before the step's drafts are verified (the
+confidences are the members' top-1 probabilities and match lengths, never a sampled draft's), so
+whichever member drafts, the exact verifier keeps the target's distribution (as for the speculation
+policies, :mod:`specdec.policies.base`). The speculation policy still sets each request's depth
+(``max_drafts``) before the hybrid drafts.
 
 Metrics (:meth:`HybridDrafter.report`): per member, the steps it drafted for, its drafted and accepted
 tokens, and the tokens it would have had accepted had it drafted every step (in hindsight); and the
@@ -40,6 +41,7 @@ output: exact for greedy requests). Each request's own counts are in ``request.d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -150,6 +152,8 @@ PROB_BUCKETS = 5
 #: weight against the request's own running score for the bucket, in proposals.
 MIN_CALIBRATION = 8
 CALIBRATION_WEIGHT = 4.0
+#: Most steps in a row the learned member may skip for a request (then it drafts once, and is scored).
+MAX_SKIPS = 3
 
 
 def confidence_bucket(proposal: DraftProposal) -> Bucket:
@@ -158,8 +162,10 @@ def confidence_bucket(proposal: DraftProposal) -> Bucket:
     ``("none", 0)`` for a proposal that reports neither."""
     if proposal.match_length is not None:
         return ("match", min(int(proposal.match_length), MAX_MATCH_BUCKET))
-    if proposal.first_draft_prob is not None:
-        return ("prob", min(int(proposal.first_draft_prob * PROB_BUCKETS), PROB_BUCKETS - 1))
+    p = proposal.first_draft_prob
+    if p is not None:
+        # Not a finite number (a head's overflowed logits): the lowest bin, its drafts get verified anyway.
+        return ("prob", min(int(p * PROB_BUCKETS), PROB_BUCKETS - 1) if math.isfinite(p) and p > 0 else 0)
     return ("none", 0)
 
 
@@ -182,6 +188,7 @@ class _HybridState:
     #: Per member, a running score per confidence bucket (same decay, updated by that bucket's proposals).
     bucket_scores: list[dict[Bucket, float]] = field(default_factory=list)
     bucket_counts: list[dict[Bucket, int]] = field(default_factory=list)
+    skipped: int = 0  # steps in a row the learned member was skipped (hybrid_skip_outranked)
     pending: _Step | None = None  # scored at the next proposal (or when the request ends)
     history: list[_Step] = field(default_factory=list)  # for the oracle, scored at the end
     open: list[_Open] = field(default_factory=list)  # each closes within k steps: at most members x k
@@ -199,7 +206,7 @@ class _HybridState:
     model_of=learned_member,
 )  # fmt: skip
 class HybridDrafter(DrafterBase):
-    """Per request and step, the proposal of the member with the best running acceptance.
+    """Per request and step, the member proposal with the most expected accepted drafts.
 
     Args:
         ctx: built into every member (``config.hybrid_members``, default suffix and n-gram).
@@ -313,21 +320,27 @@ class HybridDrafter(DrafterBase):
 
         With ``b`` the proposal's :func:`confidence_bucket`, ``c`` the engine-wide mean hindsight score of
         the member's proposals in ``b`` (once :data:`MIN_CALIBRATION` are counted), ``r`` the request's
-        running score for ``b`` over its ``n`` proposals there: ``(W c + n r) / (W + n)`` with ``W =``
+        running score for ``b`` after its ``n`` proposals there, an exponential moving average worth
+        ``m = (1 - DECAY^n) / (1 - DECAY)`` proposals (at most 3.3): ``(W c + m r) / (W + m)`` with ``W =``
         :data:`CALIBRATION_WEIGHT` (the engine-wide mean as a prior worth ``W`` proposals); ``r`` alone
         before ``c`` exists; without either, the member's running score; else 0."""
+        value = self._evidence(state, member, bucket)
+        if value is not None:
+            return value
+        score = state.scores[member]
+        return 0.0 if score is None else score
+
+    def _evidence(self, state: _HybridState, member: int, bucket: Bucket) -> float | None:
+        """:meth:`estimate` from the bucket's own figures (the request's, the engine's); None without."""
         own = state.bucket_scores[member].get(bucket)
         entry = self.calibration[member].get(bucket)
         if entry is not None and entry[1] >= MIN_CALIBRATION:
             calibrated = entry[0] / entry[1]
             if own is None:
                 return calibrated
-            n = state.bucket_counts[member][bucket]
-            return (CALIBRATION_WEIGHT * calibrated + n * own) / (CALIBRATION_WEIGHT + n)
-        if own is not None:
-            return own
-        score = state.scores[member]
-        return 0.0 if score is None else score
+            weight = (1 - DECAY ** state.bucket_counts[member][bucket]) / (1 - DECAY)
+            return (CALIBRATION_WEIGHT * calibrated + weight * own) / (CALIBRATION_WEIGHT + weight)
+        return own
 
     def choose(self, state: _HybridState, proposals: list[DraftProposal]) -> int:
         """The member to submit: the highest :meth:`estimate` among non-empty proposals (ties go to the
@@ -342,18 +355,23 @@ class HybridDrafter(DrafterBase):
         return best
 
     def _outranked(self, state: _HybridState, proposals: list[DraftProposal | None]) -> bool:
-        """Whether a model-free member's proposal has a higher :meth:`estimate` than the learned member
-        could reach with any first-draft probability (its best bucket), so the head need not draft."""
-        assert self._learned is not None
+        """Whether the learned member may skip this step: a model-free member's proposal has a higher
+        :meth:`estimate` than the head could reach in any bucket (a bucket without figures counts as the
+        head's running score in the request; a head never scored in the request is never skipped), and
+        the head has not been skipped :data:`MAX_SKIPS` steps in a row (then it drafts, so that its
+        figures follow the text: a skipped head is not scored)."""
+        learned = self._learned
+        assert learned is not None
         free = [
             self.estimate(state, i, confidence_bucket(p))
             for i, p in enumerate(proposals)
             if p is not None and p.token_ids
         ]
-        if not free:
+        fallback = state.scores[learned]
+        if not free or fallback is None or state.skipped >= MAX_SKIPS:
             return False
         buckets = [("prob", b) for b in range(PROB_BUCKETS)] + [("none", 0)]
-        head = max(self.estimate(state, self._learned, b) for b in buckets)
+        head = max(fallback if (v := self._evidence(state, learned, b)) is None else v for b in buckets)
         return max(free) > head
 
     def _propose_members(self, batch: list[DraftInput]) -> list[list[DraftProposal]]:
@@ -367,13 +385,15 @@ class HybridDrafter(DrafterBase):
         if learned is not None:
             inputs = batch
             if self.skip_outranked:
-                inputs = [
-                    replace(x, max_drafts=0)
-                    if x.max_drafts > 0
-                    and self._outranked(self.states[x.request.request_id], [p and p[j] for p in per_member])
-                    else x
-                    for j, x in enumerate(batch)
-                ]
+                inputs = []
+                for j, x in enumerate(batch):
+                    state = self.states[x.request.request_id]
+                    if x.max_drafts > 0 and self._outranked(state, [p and p[j] for p in per_member]):
+                        state.skipped += 1
+                        x = replace(x, max_drafts=0)
+                    elif x.max_drafts > 0:
+                        state.skipped = 0
+                    inputs.append(x)
             per_member[learned] = self.members[learned].propose(inputs)
         return per_member  # type: ignore[return-value]
 
