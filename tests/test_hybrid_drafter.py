@@ -208,21 +208,26 @@ class _FixedHead(_Fixed):
         pass
 
 
-@pytest.mark.parametrize("skip", [True, False])
-def test_the_head_skips_steps_a_copier_outranks(skip):
-    """With ``hybrid_skip_outranked`` the learned member is asked for no drafts (depth 0) for a request
-    whose model-free proposal has a higher estimate than any first-draft probability could give the head;
-    otherwise it drafts every step."""
+def _head_and_copier(skip: bool) -> HybridDrafter:
+    """A hybrid of a :class:`_FixedHead` and a :class:`_Fixed` copier, k = 2."""
     register_drafter("test_fixed_head")(_FixedHead)
     register_drafter("test_fixed_copier")(_Fixed)
     try:
         config = SpeculativeConfig(
             "hybrid", 2, hybrid_members=["test_fixed_head", "test_fixed_copier"], hybrid_skip_outranked=skip
         )
-        hybrid = HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
+        return HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
     finally:
         unregister_drafter("test_fixed_head")
         unregister_drafter("test_fixed_copier")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_head_skips_steps_a_copier_outranks(skip):
+    """With ``hybrid_skip_outranked`` the learned member is asked for no drafts (depth 0) for a request
+    whose model-free proposal has a higher estimate than any first-draft probability could give the head;
+    otherwise it drafts every step."""
+    hybrid = _head_and_copier(skip)
     head, copier = hybrid.members
     req = Request("s", [0], SamplingParams(temperature=0, max_tokens=100), 0)
     # Step 1: the head drafts [5, 9] (1 accepted); the copier's match-3 proposal [5, 6] would have had 2.
@@ -249,14 +254,7 @@ def test_a_skipped_head_drafts_again_after_max_skips():
     """A head the copier outranks is skipped at most MAX_SKIPS steps in a row, then drafts (and is scored)
     once: a head whose figures were frozen by skipping would otherwise never be measured again. A head's
     non-finite probability falls in the lowest bin."""
-    register_drafter("test_fixed_head")(_FixedHead)
-    register_drafter("test_fixed_copier")(_Fixed)
-    try:
-        config = SpeculativeConfig("hybrid", 2, hybrid_members=["test_fixed_head", "test_fixed_copier"])
-        hybrid = HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
-    finally:
-        unregister_drafter("test_fixed_head")
-        unregister_drafter("test_fixed_copier")
+    hybrid = _head_and_copier(True)
     head, copier = hybrid.members
     req = Request("k", [0], SamplingParams(temperature=0, max_tokens=100), 0)
     for step in range(9):
