@@ -225,8 +225,8 @@ class SpeculativeConfig:
     2024), "eagle3" (an EAGLE-3 head: fused target layers, a reduced draft vocabulary; Li et al. 2025),
     "grammar" (the tokens a request's grammar forces, no model: jump-forward decoding verified as
     drafts), "suffix" (suffix decoding, Oliaro et al. 2024: suffix tries over the request's text and,
-    opt-in, earlier requests'), "hybrid" (per request and step, the member drafter with the best running
-    acceptance).
+    opt-in, earlier requests'), "hybrid" (per request and step, the member proposal with the most expected
+    accepted drafts).
 
     Attributes:
         method: a registered drafter's name (:func:`specdec.drafters.drafter_names`).
