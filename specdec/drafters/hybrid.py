@@ -11,9 +11,9 @@ request's score per member is an exponential moving average of those scores (dec
 before any, members are tried in their configured order.
 
 **Per-step confidence.** Each proposal carries its member's own confidence: a copier's matched suffix
-length (``DraftProposal.match_length``), a learned drafter's probability of its first draft
-(``first_draft_prob``), put in a few buckets (:func:`confidence_bucket`). The hybrid keeps, per member and
-bucket, the request's running score and an engine-wide mean of the final hindsight scores (a
+length (``DraftProposal.match_length``), a learned drafter's top-1 probability at its first draft
+position (``first_draft_prob``), put in a few buckets (:func:`confidence_bucket`). The hybrid keeps, per
+member and bucket, the request's running score and an engine-wide mean of the final hindsight scores (a
 calibration table over every request's steps), and estimates a proposal's accepted drafts from both
 (:meth:`HybridDrafter.estimate`): a copier's long match can then win a step against a head whose steady
 short acceptances keep its running score higher. On Spec-Bench (26 questions, greedy, SmolLM2) the
