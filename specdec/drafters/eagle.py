@@ -271,10 +271,9 @@ class EagleDrafter(DrafterBase):
             )
             for r, token in zip(active, tokens):
                 proposals[drafting[r]].token_ids.append(token)
-            top_prob = None
-            if stop is not None or (first and self.reports_confidence):
-                top_prob = torch.softmax(logits, -1).amax(-1)
-            if first and top_prob is not None and self.reports_confidence:
+            report = first and self.reports_confidence
+            top_prob = torch.softmax(logits, -1).amax(-1) if stop is not None or report else None
+            if report:
                 for r, p in zip(active, top_prob.tolist()):
                     proposals[drafting[r]].first_draft_prob = p
             first = False
@@ -357,5 +356,5 @@ class EagleDrafter(DrafterBase):
         index = {c: j for j, c in enumerate(keep)}
         proposal = DraftProposal([tokens[c] for c in keep], parents=[index.get(parents[c], -1) for c in keep])
         if self.reports_confidence:
-            proposal.first_draft_prob = math.exp(max(scores[c] for c in range(min(topk, len(scores)))))
+            proposal.first_draft_prob = math.exp(scores[0])  # the root's best child (topk, best first)
         return proposal

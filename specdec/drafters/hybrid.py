@@ -324,14 +324,6 @@ class HybridDrafter(DrafterBase):
         ``m = (1 - DECAY^n) / (1 - DECAY)`` proposals (at most 3.3): ``(W c + m r) / (W + m)`` with ``W =``
         :data:`CALIBRATION_WEIGHT` (the engine-wide mean as a prior worth ``W`` proposals); ``r`` alone
         before ``c`` exists; without either, the member's running score; else 0."""
-        value = self._evidence(state, member, bucket)
-        if value is not None:
-            return value
-        score = state.scores[member]
-        return 0.0 if score is None else score
-
-    def _evidence(self, state: _HybridState, member: int, bucket: Bucket) -> float | None:
-        """:meth:`estimate` from the bucket's own figures (the request's, the engine's); None without."""
         own = state.bucket_scores[member].get(bucket)
         entry = self.calibration[member].get(bucket)
         if entry is not None and entry[1] >= MIN_CALIBRATION:
@@ -340,7 +332,10 @@ class HybridDrafter(DrafterBase):
                 return calibrated
             weight = (1 - DECAY ** state.bucket_counts[member][bucket]) / (1 - DECAY)
             return (CALIBRATION_WEIGHT * calibrated + weight * own) / (CALIBRATION_WEIGHT + weight)
-        return own
+        if own is not None:
+            return own
+        score = state.scores[member]
+        return 0.0 if score is None else score
 
     def choose(self, state: _HybridState, proposals: list[DraftProposal]) -> int:
         """The member to submit: the highest :meth:`estimate` among non-empty proposals (ties go to the
@@ -362,17 +357,17 @@ class HybridDrafter(DrafterBase):
         figures follow the text: a skipped head is not scored)."""
         learned = self._learned
         assert learned is not None
+        if state.scores[learned] is None or state.skipped >= MAX_SKIPS:
+            return False
         free = [
             self.estimate(state, i, confidence_bucket(p))
             for i, p in enumerate(proposals)
             if p is not None and p.token_ids
         ]
-        fallback = state.scores[learned]
-        if not free or fallback is None or state.skipped >= MAX_SKIPS:
+        if not free:
             return False
         buckets = [("prob", b) for b in range(PROB_BUCKETS)] + [("none", 0)]
-        head = max(fallback if (v := self._evidence(state, learned, b)) is None else v for b in buckets)
-        return max(free) > head
+        return max(free) > max(self.estimate(state, learned, b) for b in buckets)
 
     def _propose_members(self, batch: list[DraftInput]) -> list[list[DraftProposal]]:
         """Every member's proposals ``[member][request]``: the model-free members first; the learned
