@@ -37,6 +37,10 @@ BF16_DOT_ENV = "SPECDEC_CPU_BF16_DOT"
 #: scores the AVX-512 path, even where the CPU has AMX (A/B measurements; see kernels.cpu_gemv.amx and
 #: csrc/cpu_attention_amx.h).
 AMX_ENV = "SPECDEC_CPU_AMX"
+#: ``SPECDEC_CPU_TILES=0``: where there is no AMX, packed bfloat16 weights take oneDNN's layout and GEMM
+#: instead of the tile order and the AVX-512 BF16 kernel on it (A/B measurements; see
+#: kernels.cpu_gemv.tiles and csrc/cpu_gemv_bf16tiles.h).
+TILES_ENV = "SPECDEC_CPU_TILES"
 
 #: A build lock older than this (seconds) was left by a killed build (a build takes 1-2 minutes here).
 STALE_LOCK_S = 600.0
@@ -111,6 +115,8 @@ def load_extension() -> Any | None:
             module.set_bf16_dot(False)
         if os.environ.get(AMX_ENV) == "0":
             module.set_amx(False)
+        if os.environ.get(TILES_ENV) == "0":
+            module.set_tiles(False)
         return module
     except Exception as e:  # no compiler, no ninja, an unsupported CPU: the references serve
         logger.warning(

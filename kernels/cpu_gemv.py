@@ -91,25 +91,39 @@ def amx() -> bool:
     return available() and bool(require_extension().has_amx())
 
 
+def tiles() -> bool:
+    """Whether packed bfloat16 weights take the tile order (:func:`pack_tiles_reference`): multiplied by the
+    AMX kernel where :func:`amx`, else by the AVX-512 BF16 kernel on that order
+    (``csrc/cpu_gemv_bf16tiles.h``) where the kernels were built with AVX512_BF16; not switched off
+    (``SPECDEC_CPU_TILES=0``, or ``require_extension().set_tiles(False)``: oneDNN's layout and GEMM where
+    there is no AMX)."""
+    return available() and bool(require_extension().has_tiles())
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A second copy of ``weight`` ``[N, K]`` (bfloat16) for :func:`linear_packed`: in the AMX kernel's tile
-    order (:func:`pack_amx_reference`) where :func:`amx`, else in oneDNN's blocked layout
-    (``mkldnn::_reorder_linear_weight``, what inductor's weight freezing does)."""
-    if amx():
-        return require_extension().pack_amx(weight.detach())
+    """A second copy of ``weight`` ``[N, K]`` (bfloat16) for :func:`linear_packed`: in the tile order of
+    the AMX and AVX-512 BF16 kernels (:func:`pack_tiles_reference`) where :func:`tiles`, else in oneDNN's
+    blocked layout (``mkldnn::_reorder_linear_weight``, what inductor's weight freezing does)."""
+    if tiles():
+        return require_extension().pack_tiles(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def pack_amx_reference(weight: torch.Tensor) -> torch.Tensor:
-    """The AMX kernel's packed layout in torch (the reference its C++ packing is tested against):
+def pack_tiles_reference(weight: torch.Tensor, pair_major: bool = False) -> torch.Tensor:
+    """The packed kernels' tile order in torch (the reference their C++ packing is tested against):
     ``weight`` ``[N, K]`` zero-padded to ``[64 G, 32 KB]``, as ``[G, KB, 4, 16, 32]`` where element ``[g,
     kb, j, r, 2 c + e]`` is ``weight[64 g + 16 j + c, 32 kb + 2 r + e]``: each ``[16, 32]`` tile holds 16
-    pairs of inputs (rows) for 16 outputs (interleaved pairs), the B operand of TDPBF16PS (Intel AMX)."""
+    pairs of inputs (rows) for 16 outputs (interleaved pairs), the B operand of TDPBF16PS (Intel AMX).
+    ``pair_major`` (the AVX-512 BF16 kernel's order, where there is no AMX): ``[G, KB, 16, 4, 32]``, element
+    ``[g, kb, r, j, 2 c + e]``, one input pair's weights for the group's 64 outputs together, each 64-byte
+    row the weight operand of one VDPBF16PS for 16 outputs."""
     n, k = weight.shape
     g, kb = -(-n // 64), -(-k // 32)
     w = F.pad(weight, (0, kb * 32 - k, 0, g * 64 - n))
-    # [g, j, c, kb, r, e] -> [g, kb, j, r, c, e]
-    return w.view(g, 4, 16, kb, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(g, kb, 4, 16, 32).contiguous()
+    # [g, j, c, kb, r, e] -> [g, kb, j, r, c, e] (pair-major: [g, kb, r, j, c, e])
+    order = (0, 3, 4, 1, 2, 5) if pair_major else (0, 3, 1, 4, 2, 5)
+    shape = (g, kb, 16, 4, 32) if pair_major else (g, kb, 4, 16, 32)
+    return w.view(g, 4, 16, kb, 16, 2).permute(*order).reshape(shape).contiguous()
 
 
 def onednn_rows(rows: int, out_features: int, in_features: int) -> bool:

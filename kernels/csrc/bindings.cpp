@@ -11,8 +11,8 @@ torch::Tensor gemv_op(const torch::Tensor& x, const torch::Tensor& w, const std:
   return gemv(x, w, bias.has_value() ? *bias : torch::Tensor());
 }
 
-// A linear layer's product on its packed weight (AMX or oneDNN), specdec_cpu::linear_packed, for the same
-// reason; schema "linear_packed(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor".
+// A linear layer's product on its packed weight (tile order or oneDNN's), specdec_cpu::linear_packed, for
+// the same reason; schema "linear_packed(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor".
 torch::Tensor linear_packed_op(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                                const std::optional<torch::Tensor>& bias) {
   return linear_packed(x, w, packed, bias.has_value() ? *bias : torch::Tensor());
@@ -49,7 +49,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_bf16_dot", &set_bf16_dot, "use (true) or skip (false) the AVX-512 BF16 kernel; returns has_bf16_dot()");
   m.def("has_amx", &has_amx, "whether packed bfloat16 products and bfloat16 attention scores use AMX tiles (cpu_gemv_amx.h, cpu_attention_amx.h)");
   m.def("set_amx", &set_amx, "use (true) or skip (false) AMX for packed weights and attention scores; returns has_amx()");
-  m.def("pack_amx", &pack_amx, "a bfloat16 weight [N, K] in the AMX kernel's tile order (kernels/csrc/cpu_gemv_amx.h)");
+  m.def("has_tiles", &has_tiles,
+        "whether packed bfloat16 weights take the tile layout (AMX or AVX-512 BF16; csrc/cpu_gemv.cpp)");
+  m.def("set_tiles", &set_tiles,
+        "use (true) or skip (false) the tile layout where there is no AMX; returns has_tiles()");
+  m.def("pack_tiles", &pack_tiles,
+        "a bfloat16 weight [N, K] in the packed kernels' tile order (kernels/csrc/cpu_gemv_tiles.h)");
   m.def("packed_rows", &packed_rows,
         "whether an [M, K] x [N, K]^T bfloat16 product takes the packed weight (kernels/csrc/cpu_gemv.cpp)");
   m.def("onednn_rows", &onednn_rows,

@@ -15,6 +15,7 @@
 #include "cpu_simd.h"
 #include "cpu_gemv_bf16dp.h"
 #include "cpu_gemv_amx.h"
+#include "cpu_gemv_bf16tiles.h"
 #include "cpu_gemv_f32x16.h"
 
 namespace {
@@ -195,9 +196,9 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
 }
 
 // Whether bfloat16 products of packed weights use AMX tiles (cpu_gemv_amx.h): built with them, the process
-// granted them, and not switched off. set_amx(false): oneDNN packs and multiplies instead, and the
-// attention's scores take the AVX-512 path (A/B measurements, tests); returns whether AMX is in use after
-// the call.
+// granted them, and not switched off. set_amx(false): the AVX-512 BF16 kernel multiplies the tile layout
+// instead (oneDNN, with set_tiles(false) too), and the attention's scores take the AVX-512 path (A/B
+// measurements, tests); returns whether AMX is in use after the call.
 static std::atomic<bool> use_amx{true};
 bool has_amx() {
 #ifdef SPECDEC_AMX
@@ -217,44 +218,70 @@ bool set_amx(bool enabled) {
 // the wide matrices, while the kernel stays ahead on the small ones and at 1-2 rows).
 bool onednn_rows(int64_t M, int64_t N, int64_t K) { return M >= 12 || (M >= 5 && (N >= 2048 || K >= 1024)); }
 
-// Whether a product of M rows with a packed [N, K] weight takes linear_packed rather than the kernel: with
-// AMX every product, one row included (the tiles stream the weights as fast at 2-16 rows as the kernel at
-// one, cpu_gemv_amx.h, and each output row's sums do not depend on the other rows, so a row verified among
-// k + 1 gets the bits it gets decoded alone: greedy speculative decoding equals greedy plain decoding bit
-// for bit in bfloat16; the price, one row about 5 % slower than the kernel), else onednn_rows. One rule for the linear layers (specdec/models/cpu_linear.py) and
-// the layer stack (cpu_decode_stack.cpp), so both take the same path for the same product.
-bool packed_rows(int64_t M, int64_t N, int64_t K) { return has_amx() ? M >= 1 : onednn_rows(M, N, K); }
+// Whether packed bfloat16 weights take the tile layout (cpu_gemv_tiles.h): the AMX kernel where has_amx(),
+// else the AVX-512 BF16 kernel on it (cpu_gemv_bf16tiles.h) where the kernels were built with AVX512_BF16
+// and it is not switched off. set_tiles(false): oneDNN's packing and GEMM where there is no AMX (A/B
+// measurements, tests; SPECDEC_CPU_TILES=0); returns whether the tile layout is in use after the call.
+static std::atomic<bool> use_tiles{true};
+bool has_tiles() {
+#ifdef SPECDEC_BF16TILES
+  if (use_tiles.load()) return true;
+#endif
+  return has_amx();
+}
+bool set_tiles(bool enabled) {
+  use_tiles.store(enabled);
+  return has_tiles();
+}
 
-// w [N, K] bfloat16 packed for the AMX kernel: [G, KB, 4, 16, 32] bfloat16 (layout in cpu_gemv_amx.h).
-torch::Tensor pack_amx(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_amx: w must be [N, K] bfloat16");
-#ifdef SPECDEC_AMX
-  using namespace specdec_cpu_amx;
+// Whether a product of M rows with a packed [N, K] weight takes linear_packed rather than the kernel: with
+// the tile layout every product, one row included (AMX: the tiles stream the weights as fast at 2-16 rows
+// as the kernel at one, cpu_gemv_amx.h; AVX-512 BF16: the tile order's products need no horizontal sums,
+// cpu_gemv_bf16tiles.h), and each output row's sums do not depend on the other rows, so a row verified
+// among k + 1 gets the bits it gets decoded alone: greedy speculative decoding equals greedy plain
+// decoding bit for bit in bfloat16; else onednn_rows. One rule for the linear layers
+// (specdec/models/cpu_linear.py) and the layer stack (cpu_decode_stack.cpp), so both take the same path
+// for the same product.
+bool packed_rows(int64_t M, int64_t N, int64_t K) { return has_tiles() ? M >= 1 : onednn_rows(M, N, K); }
+
+// w [N, K] bfloat16 packed in tile order (layouts in cpu_gemv_tiles.h): for the AMX kernel where has_amx(),
+// [G, KB, 4, 16, 32]; else pair-major for the AVX-512 BF16 kernel, [G, KB, 16, 4, 32].
+torch::Tensor pack_tiles(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_tiles: w must be [N, K] bfloat16");
+#if defined(SPECDEC_AMX) || defined(SPECDEC_BF16TILES)
+  using namespace specdec_cpu_tiles;
   const auto wc = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t G = (N + kGroup * kTileN - 1) / (kGroup * kTileN), KB = (K + kTileK - 1) / kTileK;
-  auto p = torch::empty({G, KB, kGroup, kTileK / 2, 2 * kTileN}, w.options());
+  const bool pair_major = !has_amx();
+  auto p = pair_major ? torch::empty({G, KB, kTileK / 2, kGroup, 2 * kTileN}, w.options())
+                      : torch::empty({G, KB, kGroup, kTileK / 2, 2 * kTileN}, w.options());
   pack(reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), N, K,
-       reinterpret_cast<uint16_t*>(p.data_ptr<at::BFloat16>()));
+       reinterpret_cast<uint16_t*>(p.data_ptr<at::BFloat16>()), pair_major);
   return p;
 #else
-  TORCH_CHECK(false, "pack_amx: the kernels were built without AMX");
+  TORCH_CHECK(false, "pack_tiles: the kernels were built without AMX or AVX512_BF16");
 #endif
 }
 
 namespace {
 
-#ifdef SPECDEC_AMX
-// x [M, K] @ w^T + bias through the AMX kernel, packed = pack_amx(w): x copied into a zero-padded buffer
-// where K is not a multiple of 32 or (past 16 rows) M not a multiple of 16.
-torch::Tensor linear_amx(torch::Tensor x, const torch::Tensor& packed, int64_t N, int64_t K,
-                         const torch::Tensor& bias) {
-  using namespace specdec_cpu_amx;
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear_packed: x must be bfloat16 with an AMX-packed weight");
+#if defined(SPECDEC_AMX) || defined(SPECDEC_BF16TILES)
+// x [M, K] @ w^T + bias on packed = pack_tiles(w): the AMX kernel where has_amx(), else the AVX-512 BF16
+// one; x copied into a zero-padded buffer where K is not a multiple of 32 or (AMX, past 16 rows) M not a
+// multiple of 16.
+torch::Tensor linear_tiles(torch::Tensor x, const torch::Tensor& packed, int64_t N, int64_t K,
+                           const torch::Tensor& bias) {
+  using namespace specdec_cpu_tiles;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16,
+              "linear_packed: x must be bfloat16 with a tile-packed weight");
   TORCH_CHECK(packed.dim() == 5 && packed.size(0) * kGroup * kTileN >= N && packed.size(1) * kTileK == (K + kTileK - 1) / kTileK * kTileK,
               "linear_packed: the packed weight does not match [N, K]");
+  // The layout tells the kernel: [G, KB, 4, 16, 32] the AMX one's, [G, KB, 16, 4, 32] the AVX-512 one's.
+  const bool amx = packed.size(2) == kGroup;
+  TORCH_CHECK(!amx || has_amx(), "linear_packed: a weight packed for AMX, but AMX is not in use");
   const int64_t M = x.size(0), Kp = packed.size(1) * kTileK;
-  const int64_t Mp = M > 16 ? (M + 15) / 16 * 16 : M;
+  const int64_t Mp = amx && M > 16 ? (M + 15) / 16 * 16 : M;
   if (x.stride(1) != 1) x = x.contiguous();
   if (Kp != K || Mp != M) {
     auto padded = torch::zeros({Mp, Kp}, x.options());
@@ -269,10 +296,21 @@ torch::Tensor linear_amx(torch::Tensor x, const torch::Tensor& packed, int64_t N
     bf = bias.to(torch::kFloat32).contiguous();
     bp = bf.data_ptr<float>();
   }
-  linear(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M,
-         reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), N, K, bp,
-         reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* pp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#ifdef SPECDEC_AMX
+  if (amx) {
+    specdec_cpu_amx::linear(xp, x.stride(0), M, pp, N, K, bp, yp);
+    return y;
+  }
+#endif
+#ifdef SPECDEC_BF16TILES
+  specdec_cpu_bf16tiles::linear(xp, x.stride(0), M, pp, N, K, bp, yp);
   return y;
+#else
+  TORCH_CHECK(false, "linear_packed: a tile-packed weight, but the kernels were built without AVX512_BF16");
+#endif
 }
 #endif
 
@@ -294,17 +332,18 @@ torch::Tensor linear_onednn(const torch::Tensor& x, const torch::Tensor& packed,
 
 }  // namespace
 
-// y [M, N] = x [M, K] @ w^T + bias on w's packed copy: packed by pack_amx ([G, KB, 4, 16, 32]) through the
-// AMX kernel, else by mkldnn::_reorder_linear_weight through oneDNN. w [N, K] gives the shape (its values
-// are not read); bias [N] of x's dtype, or undefined / empty for none.
+// y [M, N] = x [M, K] @ w^T + bias on w's packed copy: packed by pack_tiles ([G, KB, 4, 16, 32]) through the
+// AMX or AVX-512 BF16 kernel, else by mkldnn::_reorder_linear_weight through oneDNN. w [N, K] gives the
+// shape (its values are not read); bias [N] of x's dtype, or undefined / empty for none.
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                             const torch::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_packed: x [M, K], w [N, K]");
   if (packed.dim() == 5) {
-#ifdef SPECDEC_AMX
-    return linear_amx(x, packed, w.size(0), w.size(1), bias);
+#if defined(SPECDEC_AMX) || defined(SPECDEC_BF16TILES)
+    return linear_tiles(x, packed, w.size(0), w.size(1), bias);
 #else
-    TORCH_CHECK(false, "linear_packed: an AMX-packed weight, but the kernels were built without AMX");
+    TORCH_CHECK(false,
+                "linear_packed: a tile-packed weight, but the kernels were built without AMX or AVX512_BF16");
 #endif
   }
   return linear_onednn(x, packed, bias);

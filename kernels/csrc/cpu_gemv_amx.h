@@ -12,19 +12,18 @@
 // 1-8 rows, 146 at 16 (26-27 GB/s; 49152 x 576: 2.0-2.1 ms at 1-8 rows). A standalone microbenchmark
 // measured it; oneDNN's AMX GEMM on its own packed weights took 170 us at every row count.
 //
-// Packed layout (pack, pack_reference in kernels/cpu_gemv.py): [G, KB, 4, 16, 32] bfloat16, G = ceil(N /
-// 64) groups of four 16-output tiles, KB = ceil(K / 32); element [g, kb, j, r, 2c + e] is w[64 g + 16 j +
-// c, 32 kb + 2 r + e] (zero past N or K): each 1 KB tile is the "VNNI" B operand of TDPBF16PS (16 rows of
-// input pairs, 16 outputs), and a group's tiles for one kb lie together, so a thread streams one
-// contiguous range. Products of bfloat16 values are exact in float32; TDPBF16PS adds them in float32 in
-// its own order (denormals flushed), so outputs agree with F.linear's float32 result within one bfloat16
-// rounding, like the other kernels. Source: Intel Architecture Instruction Set Extensions Programming
-// Reference, chapter 3 (AMX): TILELOADD, TDPBF16PS, LDTILECFG; Linux Documentation/arch/x86/xstate.rst.
+// Packed layout: cpu_gemv_tiles.h (shared with the AVX-512 BF16 kernel on packed weights,
+// cpu_gemv_bf16tiles.h), each 1 KB tile the "VNNI" B operand of TDPBF16PS. Products of bfloat16 values
+// are exact in float32; TDPBF16PS adds them in float32 in its own order (denormals flushed), so outputs
+// agree with F.linear's float32 result within one bfloat16 rounding, like the other kernels. Source:
+// Intel Architecture Instruction Set Extensions Programming Reference, chapter 3 (AMX): TILELOADD,
+// TDPBF16PS, LDTILECFG; Linux Documentation/arch/x86/xstate.rst.
 #pragma once
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #define SPECDEC_AMX 1
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "cpu_gemv_tiles.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <algorithm>
@@ -33,10 +32,10 @@
 
 namespace specdec_cpu_amx {
 
-constexpr int64_t kTileN = 16;  // outputs per weight tile
-constexpr int64_t kTileK = 32;  // inputs per tile (16 pairs)
-constexpr int64_t kGroup = 4;   // weight tiles per group: four float32 accumulator tiles
-constexpr int64_t kTileElems = kTileN * kTileK;
+using specdec_cpu_tiles::kGroup;
+using specdec_cpu_tiles::kTileElems;
+using specdec_cpu_tiles::kTileK;
+using specdec_cpu_tiles::kTileN;
 
 // Whether this process may use the tiles: Linux hands out the AMX register state on request, once per
 // process (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); false on kernels or CPUs that refuse.
@@ -71,24 +70,6 @@ inline void configure(int rows) {
   // stores past LDTILECFG (garbage row counts: #GP); the barrier keeps them before it.
   asm volatile("" ::: "memory");
   _tile_loadconfig(&c);
-}
-
-// w [N, K] (bfloat16 bits, row-major) into the packed layout above, p [G * KB * 4 * 512].
-inline void pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* p) {
-  const int64_t KB = (K + kTileK - 1) / kTileK, G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t kb = 0; kb < KB; ++kb)
-        for (int64_t j = 0; j < kGroup; ++j) {
-          uint16_t* t = p + ((g * KB + kb) * kGroup + j) * kTileElems;
-          for (int64_t r = 0; r < kTileK / 2; ++r)
-            for (int64_t c = 0; c < kTileN; ++c)
-              for (int64_t e = 0; e < 2; ++e) {
-                const int64_t n = (g * kGroup + j) * kTileN + c, k = kb * kTileK + 2 * r + e;
-                t[(r * kTileN + c) * 2 + e] = (n < N && k < K) ? w[n * K + k] : 0;
-              }
-        }
-  });
 }
 
 // C[0 .. NT) += x-block (rows of this block) @ the group's tiles J0 .. J0 + NT, over every kb.

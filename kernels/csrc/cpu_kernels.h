@@ -11,7 +11,9 @@ bool has_amx();
 bool set_amx(bool enabled);
 bool onednn_rows(int64_t M, int64_t N, int64_t K);
 bool packed_rows(int64_t M, int64_t N, int64_t K);
-torch::Tensor pack_amx(const torch::Tensor& w);
+bool has_tiles();
+bool set_tiles(bool enabled);
+torch::Tensor pack_tiles(const torch::Tensor& w);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                             const torch::Tensor& bias);
 // cpu_gemv_int8.cpp

@@ -363,19 +363,20 @@ def test_sampled_distribution_through_the_stack(dist_setup):
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_bfloat16_speculation_equals_plain_decoding_bit_for_bit_with_amx(tiny_model_dirs, k):
-    """Batch invariance on a CPU with AMX: the tile kernel sums each output row independently of the other
-    rows, and every other kernel of the stack works row by row (the attention softmax included: its sum
-    does not depend on how many masked keys follow), so a verification row gets the logits a decode row
-    gets. Greedy n-gram speculation then returns plain greedy decoding's tokens and logprobs exactly, in
-    bfloat16, in one continuous batch of three requests on a tiny random model. It does not catch every
-    rounding difference (it passed with the softmax's old tail too); the SmolLM2 test below does."""
+def test_bfloat16_speculation_equals_plain_decoding_bit_for_bit_with_tiles(tiny_model_dirs, k):
+    """Batch invariance on a CPU with AMX or AVX512_BF16: the tile kernels sum each output row independently
+    of the other rows, and every other kernel of the stack works row by row (the attention softmax
+    included: its sum does not depend on how many masked keys follow), so a verification row gets the
+    logits a decode row gets. Greedy n-gram speculation then returns plain greedy decoding's tokens and
+    logprobs exactly, in bfloat16, in one continuous batch of three requests on a tiny random model. It
+    does not catch every rounding difference (it passed with the softmax's old tail too); the SmolLM2 test
+    below does."""
     from kernels import cpu_gemv
     from sampling.params import SamplingParams
     from specdec import LLM
 
-    if not cpu_gemv.amx():
-        pytest.skip("no AMX tile kernel on this CPU")
+    if not cpu_gemv.tiles():
+        pytest.skip("no tile kernel (AMX or AVX512_BF16) on this CPU")
     g = torch.Generator().manual_seed(3)
     motif = torch.randint(3, 128, (5,), generator=g).tolist()
     prompts = [{"prompt_token_ids": (motif * 8)[:n]} for n in (7, 19, 33)]
@@ -393,7 +394,7 @@ def test_bfloat16_speculation_equals_plain_decoding_bit_for_bit_with_amx(tiny_mo
 
 
 @pytest.mark.real_model
-def test_smollm2_bfloat16_speculation_equals_plain_decoding_with_amx(smollm2_dir):
+def test_smollm2_bfloat16_speculation_equals_plain_decoding_with_tiles(smollm2_dir):
     """The same on the real SmolLM2 in bfloat16: 8 held-out chat prompts, each alone (batch 1, as the
     drafter benchmark runs), 96 tokens, greedy plain decoding against n-gram (k = 4) and EAGLE (k = 4,
     reduced vocabulary) speculation: the same tokens for every prompt. Before the softmax's tail took the
@@ -408,8 +409,8 @@ def test_smollm2_bfloat16_speculation_equals_plain_decoding_with_amx(smollm2_dir
     from specdec import LLM
     from specdec.llm import chat_token_ids
 
-    if not cpu_gemv.amx():
-        pytest.skip("no AMX tile kernel on this CPU")
+    if not cpu_gemv.tiles():
+        pytest.skip("no tile kernel (AMX or AVX512_BF16) on this CPU")
     plain = LLM(smollm2_dir, dtype="bfloat16")
     prompts = [
         {"prompt_token_ids": chat_token_ids(plain.tokenizer, p.messages)}

@@ -153,28 +153,37 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     assert clear_stale_lock("specdec_lock_test") and not lock.exists()
 
 
-@pytest.fixture(params=["onednn", "amx"])
+@pytest.fixture(params=["onednn", "amx", "tiles"])
 def packing(request):
-    """Packed weights of one kind: oneDNN's layout and GEMM, or the AMX kernel's (skipped where the CPU or
-    the build has no AMX); the process's choice is restored afterwards."""
+    """Packed weights of one kind: oneDNN's layout and GEMM, the AMX kernel's tile order, or the AVX-512
+    BF16 kernel's pair-major tile order (each skipped where the CPU or the build lacks it); the process's
+    choice is restored afterwards."""
     from kernels.cpu_ext import require_extension
 
     if not cpu_gemv.available():
         pytest.skip("the CPU GEMV kernel does not build here")
     ext = require_extension()
-    was = ext.has_amx()
-    if ext.set_amx(request.param == "amx") != (request.param == "amx"):
-        ext.set_amx(was)
-        pytest.skip("no AMX on this CPU (or the kernels were built without it)")
-    yield request.param
-    ext.set_amx(was)
+    was_amx, was_tiles = ext.has_amx(), ext.has_tiles()
+    amx_on = ext.set_amx(request.param == "amx")
+    tiles_on = ext.set_tiles(request.param != "onednn")
+    try:
+        if request.param == "amx" and not amx_on:
+            pytest.skip("no AMX on this CPU (or the kernels were built without it)")
+        if request.param == "tiles" and not tiles_on:
+            pytest.skip("no AVX512_BF16 on this CPU (or the kernels were built without it)")
+        if request.param == "onednn" and tiles_on:
+            pytest.skip("the tile order cannot be switched off here")
+        yield request.param
+    finally:
+        ext.set_amx(was_amx)
+        ext.set_tiles(was_tiles)
 
 
 def test_packed_rule_and_packed_linear_layers(packing):
     """The rows rule (C++, shared with the layer stack): oneDNN's packed GEMM from 12 rows and from 5 on
-    wide matrices, the AMX kernel for every row count; a bfloat16 GemvLinear with a packed copy takes the
-    path the rule names, within one bfloat16 rounding of F.linear in float32, with and without bias, and
-    beyond the kernel's rows (a prefill chunk); float32 layers get no packed copy."""
+    wide matrices, the tile kernels (AMX, AVX-512 BF16) for every row count; a bfloat16 GemvLinear with a
+    packed copy takes the path the rule names, within one bfloat16 rounding of F.linear in float32, with and
+    without bias, and beyond the kernel's rows (a prefill chunk); float32 layers get no packed copy."""
     from specdec.models.cpu_linear import GemvLinear, use_packed_weights
 
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -184,7 +193,7 @@ def test_packed_rule_and_packed_linear_layers(packing):
     assert onednn(5, 2048, 64) and onednn(5, 64, 1024) and not onednn(11, 960, 576) and onednn(12, 960, 576)
     rule = cpu_gemv.packed_rows
     for m, n, k in [(1, 960, 576), (2, 576, 576), (5, 960, 576), (5, 2048, 64), (11, 960, 576), (12, 8, 8)]:
-        assert rule(m, n, k) == (True if packing == "amx" else onednn(m, n, k))
+        assert rule(m, n, k) == (True if packing != "onednn" else onednn(m, n, k))
     assert cpu_gemv.amx() == (packing == "amx")
     g = torch.Generator().manual_seed(0)
     for bias in (False, True):
@@ -193,7 +202,7 @@ def test_packed_rule_and_packed_linear_layers(packing):
             lin.weight.copy_(torch.randn(2048, 1024, generator=g) * 0.03)
         model = torch.nn.Sequential(GemvLinear(lin))
         assert use_packed_weights(model) == 1 and model[0].packed is not None
-        assert (model[0].packed.dim() == 5) == (packing == "amx")  # the AMX tile order [G, KB, 4, 16, 32]
+        assert (model[0].packed.dim() == 5) == (packing != "onednn")  # tile order [G, KB, 4 | 16, 16 | 4, 32]
         for m in (1, 2, 4, 5, 12, 40):
             x = torch.randn(m, 1024, generator=g).bfloat16()
             with torch.inference_mode():
@@ -208,23 +217,26 @@ def test_packed_rule_and_packed_linear_layers(packing):
 
 @pytest.mark.parametrize(("n", "k"), [(5, 7), (70, 40), (130, 576), (64, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_amx_kernel_equals_reference(packing, n, k, with_bias):
-    """The AMX kernel (``csrc/cpu_gemv_amx.h``): its C++ packing equals the torch reference of the tile
-    layout element for element (zero padding past N and K included), and its products equal F.linear's
+def test_tile_kernels_equal_reference(packing, n, k, with_bias):
+    """The AMX kernel (``csrc/cpu_gemv_amx.h``) and the AVX-512 BF16 one on the pair-major tile order
+    (``csrc/cpu_gemv_bf16tiles.h``): the C++ packing equals the torch reference of the tile layout element
+    for element (zero padding past N and K included), and its products equal F.linear's
     float32 result within one bfloat16 rounding for 1-40 rows (one tile of rows, several, a ragged last
     one), N and K off the tile sizes, with and without bias; at least 99 % of outputs are exactly the
     float32 result rounded once (the rest straddle a rounding boundary: the sums' order differs)."""
     from kernels.cpu_ext import require_extension
 
-    if packing != "amx":
-        pytest.skip("the AMX kernel only")
+    if packing == "onednn":
+        pytest.skip("the tile kernels only")
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if with_bias else None
     packed = cpu_gemv.pack_weight(w)
-    ref_packed = cpu_gemv.pack_amx_reference(w)
-    assert packed.shape == (-(-n // 64), -(-k // 32), 4, 16, 32) and torch.equal(packed, ref_packed)
-    assert torch.equal(require_extension().pack_amx(w), packed)
+    pair_major = packing == "tiles"
+    ref_packed = cpu_gemv.pack_tiles_reference(w, pair_major)
+    tile = (16, 4) if pair_major else (4, 16)
+    assert packed.shape == (-(-n // 64), -(-k // 32), *tile, 32) and torch.equal(packed, ref_packed)
+    assert torch.equal(require_extension().pack_tiles(w), packed)
     for m in (1, 2, 3, 5, 16, 17, 40):
         x = torch.randn(m, k, generator=g).bfloat16()
         got = cpu_gemv.linear_packed(x, w, packed, b)
@@ -235,17 +247,17 @@ def test_amx_kernel_equals_reference(packing, n, k, with_bias):
     assert cpu_gemv.linear_packed(torch.empty(0, k).bfloat16(), w, packed, b).shape == (0, n)  # no rows
     with pytest.raises(RuntimeError, match="linear_packed"):
         cpu_gemv.linear_packed(torch.randn(2, k + 32).bfloat16(), torch.empty(n, k + 32).bfloat16(), packed)
-    with pytest.raises(RuntimeError, match="pack_amx"):
-        require_extension().pack_amx(w.float())
+    with pytest.raises(RuntimeError, match="pack_tiles"):
+        require_extension().pack_tiles(w.float())
 
 
-def test_amx_rows_are_batch_invariant(packing):
-    """Each output row of the AMX kernel is summed in an order that does not depend on the other rows: a
-    row multiplied among 1-40 rows equals the same row multiplied alone, bit for bit (so a verification
-    row gets a decode row's logits, and greedy speculative decoding equals greedy plain decoding in
-    bfloat16)."""
-    if packing != "amx":
-        pytest.skip("the AMX kernel only")
+def test_tile_kernel_rows_are_batch_invariant(packing):
+    """Each output row of the tile kernels (AMX, AVX-512 BF16) is summed in an order that does not depend on
+    the other rows: a row multiplied among 1-40 rows equals the same row multiplied alone, bit for bit (so a
+    verification row gets a decode row's logits, and greedy speculative decoding equals greedy plain
+    decoding in bfloat16)."""
+    if packing == "onednn":
+        pytest.skip("the tile kernels only")
     g = torch.Generator().manual_seed(11)
     w = (torch.randn(300, 576, generator=g) * 0.05).bfloat16()
     b = torch.randn(300, generator=g).bfloat16()

@@ -1,0 +1,115 @@
+// bfloat16 x bfloat16 matrix products with AVX-512 BF16 dot products (vdpbf16ps) on a weight packed into
+// tile order (cpu_gemv_tiles.h): y[M, N] = x[M, K] @ w[N, K]^T (+ bias), float32 accumulation, any M.
+// Included by cpu_gemv.cpp, which uses it for a linear layer's products on a CPU with AVX512_BF16 but no
+// AMX (where AMX is, cpu_gemv_amx.h multiplies the same layout).
+//
+// Why: the row-major kernel (cpu_gemv_bf16dp.h) streams each weight row once for all input rows but ends
+// every output with a horizontal sum per input row, and past a few rows oneDNN's GEMM took over, reading
+// the weights in its own packing. Here one 64-byte load of a tile row holds an input pair's weights for 16
+// outputs: each input pair is broadcast once per row and meets up to four weight vectors, each weight
+// vector up to five input rows (20 accumulators, 16 outputs each), and the sums come out as whole vectors
+// of outputs with no horizontal step. On a 2-core AMD EPYC with AVX512_BF16 (SmolLM2-135M shapes, weights
+// cold; kernels/bench_cpu.py): see docs/kernels.md.
+//
+// Each output's sum runs over the input pairs in order, into one float32 lane, whatever M and whichever
+// rows share a pass: a row verified among k + 1 gets the bits it gets decoded alone, so greedy speculative
+// decoding equals greedy plain decoding bit for bit in bfloat16 (as with AMX). Products of bfloat16 values
+// are exact in float32 and the sums round to nearest in float32 (denormals flushed, as the instruction
+// specifies): within one bfloat16 rounding of F.linear's float32 result after the output rounding.
+// Reference: kernels/cpu_gemv.py:gemv_reference; tests/kernels/test_cpu_gemv.py. Source: Intel Intrinsics
+// Guide, _mm512_dpbf16_ps, _mm512_cvtneps_pbh (AVX512_BF16).
+#pragma once
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define SPECDEC_BF16TILES 1
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include "cpu_gemv_tiles.h"
+
+namespace specdec_cpu_bf16tiles {
+
+using namespace specdec_cpu_tiles;
+
+// Input rows per pass: 4 weight vectors x 5 rows = 20 accumulators, with 5 broadcast inputs and a weight
+// vector, 26 of the 32 vector registers.
+constexpr int kMaxRows = 5;
+#ifndef SPECDEC_TILE_PREFETCH
+#define SPECDEC_TILE_PREFETCH 2
+#endif
+// Software prefetch distance in kb steps (4 KB each).
+constexpr int64_t kPrefetch = SPECDEC_TILE_PREFETCH;
+
+// Outputs of tiles [j0, j0 + NT) of group pg for MR input rows at x (row stride xs, KB * 32 elements each,
+// zeros past K): y rows m (stride N), bias added, rounded to bfloat16.
+template <int MR, int NT>
+inline void pass(const uint16_t* x, int64_t xs, const uint16_t* pg, int64_t KB, int64_t j0, int64_t n_first,
+                 int64_t N, const float* bias, uint16_t* y) {
+  __m512 acc[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint16_t* xk = x + kb * kTileK;
+    for (int64_t r = 0; r < kTileK / 2; ++r) {
+      // The input pair r's weights for the group's 64 outputs lie together (pair-major layout): tiles [j0,
+      // j0 + NT) of them are read in memory order.
+      const uint16_t* wr = pg + ((kb * kTileK / 2 + r) * kGroup + j0) * 2 * kTileN;
+      for (int j = 0; j < NT; ++j)  // a cache line per tile row, kPrefetch * 4 KB ahead
+        _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch * kGroup * kTileElems + j * 2 * kTileN),
+                     _MM_HINT_T0);
+      __m512bh wv[NT];
+      for (int j = 0; j < NT; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr + j * 2 * kTileN);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xk + m * xs + 2 * r));
+        for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xv, wv[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NT; ++j) {
+    const int64_t n0 = n_first + j * kTileN;
+    if (n0 >= N) break;
+    const int64_t width = std::min<int64_t>(kTileN, N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      // Round to nearest even (vcvtneps2bf16), as the other kernels round their float32 sums.
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], bv));
+      _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)out);
+    }
+  }
+}
+
+// y [M, N] (bfloat16 bits, row stride N) = x @ w^T + bias. x: rows of at least KB * 32 elements (zeros
+// past K), row stride xs elements; p packed pair-major by specdec_cpu_tiles::pack. Each thread takes
+// half-groups (specdec_cpu_tiles::for_half_groups); per group the input rows go in equal passes of at most
+// kMaxRows, each streaming the group's weights (from memory the first time, from the cache after: a group
+// holds 4 KB per 32 inputs).
+inline void linear(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* p, int64_t N, int64_t K,
+                   const float* bias, uint16_t* y) {
+  const int64_t KB = (K + kTileK - 1) / kTileK, G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
+  const int64_t count = (M + kMaxRows - 1) / kMaxRows, per_pass = (M + count - 1) / count;
+  for_half_groups(G, [&](int64_t g, int64_t j0, int64_t j1) {
+    const uint16_t* pg = p + g * KB * kGroup * kTileElems;
+    const int64_t n_first = (g * kGroup + j0) * kTileN;
+    for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
+      const uint16_t* xm = x + m0 * xs;
+      uint16_t* ym = y + m0 * N;
+#define SPECDEC_TILE_PASS(MR, NT) pass<MR, NT>(xm, xs, pg, KB, j0, n_first, N, bias, ym)
+      switch (std::min<int64_t>(per_pass, M - m0) * 10 + (j1 - j0)) {
+        case 54: SPECDEC_TILE_PASS(5, 4); break;
+        case 44: SPECDEC_TILE_PASS(4, 4); break;
+        case 34: SPECDEC_TILE_PASS(3, 4); break;
+        case 24: SPECDEC_TILE_PASS(2, 4); break;
+        case 14: SPECDEC_TILE_PASS(1, 4); break;
+        case 52: SPECDEC_TILE_PASS(5, 2); break;
+        case 42: SPECDEC_TILE_PASS(4, 2); break;
+        case 32: SPECDEC_TILE_PASS(3, 2); break;
+        case 22: SPECDEC_TILE_PASS(2, 2); break;
+        default: SPECDEC_TILE_PASS(1, 2); break;
+      }
+#undef SPECDEC_TILE_PASS
+    }
+  });
+}
+
+}  // namespace specdec_cpu_bf16tiles
+#endif
