@@ -33,7 +33,11 @@ each weight row streamed once for up to 16 input rows (the AVX2 path takes 8 per
 Packed weights (:func:`pack_weight`, :func:`linear_packed`, :func:`packed_rows`): an eager engine keeps a
 second copy of every bfloat16 weight, in the AMX kernel's tile order where the CPU has AMX-BF16
 (``csrc/cpu_gemv_amx.h``: every product, 1-16 rows at the memory's speed, each row's sums independent of
-the others), else in oneDNN's layout for its GEMM (wider products only).
+the others), else in the pair-major tile order of the AVX-512 BF16 kernel where the CPU has AVX512_BF16
+(``csrc/cpu_gemv_bf16tiles.h``: every product, no horizontal sums, each row's sums independent of the
+others; on a 2-core AMD EPYC five rows cost 1.0-1.2x one row on the MLP and LM-head matrices, against
+1.3-1.7x on the row-major kernel or oneDNN), else (or with ``SPECDEC_CPU_TILES=0``) in oneDNN's layout for
+its GEMM (wider products only).
 
 Accuracy: float32 accumulation in a different order than ``F.linear``: float32 outputs agree within
 1e-5 relative; bfloat16 outputs within one bfloat16 rounding of the float32 result.
@@ -265,27 +269,38 @@ def gemv(
 
 
 def _bench(rows: tuple[int, ...] = (1, 5, 16)) -> None:
-    """GB/s of weights streamed by ``F.linear`` and by the kernel, SmolLM2-135M's shapes (``python -m
-    kernels.cpu_gemv``); weights cycled through 256 MB of copies to defeat the caches."""
+    """GB/s of weights streamed by ``F.linear``, by the kernel and (bfloat16) by :func:`linear_packed` on
+    :func:`pack_weight`'s copy (the tile kernels, or oneDNN), SmolLM2-135M's shapes (``python -m
+    kernels.bench_cpu gemv``); weights cycled through 256 MB of copies to defeat the caches."""
     import time
 
     shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
               "lm_head": (49152, 576)}  # fmt: skip
     print(f"threads {torch.get_num_threads()}, kernel built: {available()}")
+    packs = available() and packing_supported(torch.empty(8, 8, dtype=torch.bfloat16))
+    if packs:
+        print(f"packed bfloat16 weights: {'tile order' if tiles() else 'oneDNN'}")
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16):
             for m in rows:
                 for name, (n, k) in shapes.items():
                     ws = [torch.randn(n, k).to(dtype) for _ in range(max(1, int(256e6 // (n * k * 4))))]
                     x = torch.randn(m, k).to(dtype)
+                    calls = [lambda w, x=x: gemv_reference(x, w), lambda w, x=x: gemv(x, w)]
+                    if packs and dtype == torch.bfloat16:
+                        packed = {id(w): pack_weight(w) for w in ws}
+                        calls.append(lambda w, x=x, p=packed: linear_packed(x, w, p[id(w)]))
                     speeds = []
-                    for f in (gemv_reference, gemv):
+                    for f in calls:
                         for w in ws[:2]:
-                            f(x, w)
+                            f(w)
                         t = time.perf_counter()
                         for w in ws:
-                            f(x, w)
+                            f(w)
                         seconds = time.perf_counter() - t
                         speeds.append(n * k * ws[0].element_size() * len(ws) / seconds / 1e9)
-                    print(f"{str(dtype)[6:]:9s} rows {m:2d} {name:8s} F.linear {speeds[0]:5.1f} GB/s  "
-                          f"kernel {speeds[1]:5.1f} GB/s")  # fmt: skip
+                    line = (f"{str(dtype)[6:]:9s} rows {m:2d} {name:8s} F.linear {speeds[0]:5.1f} GB/s  "
+                            f"kernel {speeds[1]:5.1f} GB/s")  # fmt: skip
+                    if len(speeds) > 2:
+                        line += f"  packed {speeds[2]:5.1f} GB/s"
+                    print(line)

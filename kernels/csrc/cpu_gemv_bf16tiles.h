@@ -5,11 +5,16 @@
 //
 // Why: the row-major kernel (cpu_gemv_bf16dp.h) streams each weight row once for all input rows but ends
 // every output with a horizontal sum per input row, and past a few rows oneDNN's GEMM took over, reading
-// the weights in its own packing. Here one 64-byte load of a tile row holds an input pair's weights for 16
-// outputs: each input pair is broadcast once per row and meets up to four weight vectors, each weight
-// vector up to five input rows (20 accumulators, 16 outputs each), and the sums come out as whole vectors
-// of outputs with no horizontal step. On a 2-core AMD EPYC with AVX512_BF16 (SmolLM2-135M shapes, weights
-// cold; kernels/bench_cpu.py): see docs/kernels.md.
+// the weights in its own packing. Here one input pair's weights for a group's 64 outputs lie together
+// (the pair-major tile order, cpu_gemv_tiles.h): four 64-byte loads in memory order, each input pair
+// broadcast once and met by the four weight vectors, 4 x (up to 6) accumulators of 16 outputs each, and the
+// sums come out as whole vectors of outputs with no horizontal step. The AMX order (each tile's rows
+// together, the four tiles 1 KB apart) read here tile by tile or interleaved ran 1.3-2x slower: the
+// memory system streams one sequential range best. On a 2-core AMD EPYC (Zen 4) with AVX512_BF16, SmolLM2
+// shapes, weights cold, against the row-major kernel and oneDNN's packed GEMM in the same run: at five rows
+// 3072 x 576 81-88 us (row-major 121-129, oneDNN 121-128), 49152 x 576 1.2-1.4 ms (1.6-2.7, 1.4-1.9); at
+// 16 rows 166-180 us (310, 205) and 2.7-2.9 ms (5.2, 2.9-3.1); at one row level with the row-major
+// kernel; from 32 to 256 rows (prefill chunks) 1.1-1.9x faster than F.linear (docs/kernels.md).
 //
 // Each output's sum runs over the input pairs in order, into one float32 lane, whatever M and whichever
 // rows share a pass: a row verified among k + 1 gets the bits it gets decoded alone, so greedy speculative
@@ -30,9 +35,10 @@ namespace specdec_cpu_bf16tiles {
 
 using namespace specdec_cpu_tiles;
 
-// Input rows per pass: 4 weight vectors x 5 rows = 20 accumulators, with 5 broadcast inputs and a weight
-// vector, 26 of the 32 vector registers.
-constexpr int kMaxRows = 5;
+// Input rows per pass: 4 weight vectors x 6 rows = 24 accumulators, with the 4 weight vectors and a
+// broadcast input, 29 of the 32 vector registers (6 rather than 5: 16 rows in 3 passes, not 4; 5-9 % faster
+// there).
+constexpr int kMaxRows = 6;
 #ifndef SPECDEC_TILE_PREFETCH
 #define SPECDEC_TILE_PREFETCH 2
 #endif
@@ -95,11 +101,13 @@ inline void linear(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* p, 
       uint16_t* ym = y + m0 * N;
 #define SPECDEC_TILE_PASS(MR, NT) pass<MR, NT>(xm, xs, pg, KB, j0, n_first, N, bias, ym)
       switch (std::min<int64_t>(per_pass, M - m0) * 10 + (j1 - j0)) {
+        case 64: SPECDEC_TILE_PASS(6, 4); break;
         case 54: SPECDEC_TILE_PASS(5, 4); break;
         case 44: SPECDEC_TILE_PASS(4, 4); break;
         case 34: SPECDEC_TILE_PASS(3, 4); break;
         case 24: SPECDEC_TILE_PASS(2, 4); break;
         case 14: SPECDEC_TILE_PASS(1, 4); break;
+        case 62: SPECDEC_TILE_PASS(6, 2); break;
         case 52: SPECDEC_TILE_PASS(5, 2); break;
         case 42: SPECDEC_TILE_PASS(4, 2); break;
         case 32: SPECDEC_TILE_PASS(3, 2); break;
