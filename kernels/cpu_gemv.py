@@ -144,12 +144,12 @@ def onednn_rows(rows: int, out_features: int, in_features: int) -> bool:
 
 def packed_rows(rows: int, out_features: int, in_features: int) -> bool:
     """Whether a bfloat16 product of ``rows`` rows takes a layer's packed weight (:func:`linear_packed`)
-    rather than the kernel: with AMX (:func:`amx`) every product, one row included (the tiles stream the
-    weights as fast at 2-16 rows as the kernel at one: on a 2-core Intel Xeon with AMX, 3072 x 576 at
-    130-146 µs for 1-16 rows, where the kernel took 140 at one row and 221 at five; and a row's sums do not
-    depend on the other rows, so verification rows get the bits decode rows get: greedy speculative
-    decoding equals greedy plain decoding bit for bit in bfloat16, for ~5 % of plain decoding's speed),
-    else :func:`onednn_rows`. The C++ rule (``csrc/cpu_gemv.cpp``), shared with
+    rather than the kernel: with the tile order (:func:`tiles`) every product, one row included (AMX: the
+    tiles stream the weights as fast at 2-16 rows as the kernel at one: on a 2-core Intel Xeon with AMX,
+    3072 x 576 at 130-146 µs for 1-16 rows, where the kernel took 140 at one row and 221 at five; AVX-512
+    BF16 without AMX: on a 2-core AMD EPYC 81-88 µs at five rows against 121-129, level at one row; and a
+    row's sums do not depend on the other rows, so verification rows get the bits decode rows get: greedy
+    speculative decoding equals greedy plain decoding bit for bit in bfloat16), else :func:`onednn_rows`. The C++ rule (``csrc/cpu_gemv.cpp``), shared with
     :mod:`kernels.cpu_decode_stack`.
 
     Raises:

@@ -277,9 +277,15 @@ torch::Tensor linear_tiles(torch::Tensor x, const torch::Tensor& packed, int64_t
               "linear_packed: x must be bfloat16 with a tile-packed weight");
   TORCH_CHECK(packed.dim() == 5 && packed.size(0) * kGroup * kTileN >= N && packed.size(1) * kTileK == (K + kTileK - 1) / kTileK * kTileK,
               "linear_packed: the packed weight does not match [N, K]");
-  // The layout tells the kernel: [G, KB, 4, 16, 32] the AMX one's, [G, KB, 16, 4, 32] the AVX-512 one's.
+  // The layout tells the kernel: [G, KB, 4, 16, 32] the AMX one's (used for a weight packed for it even
+  // after set_amx(false), as long as the tiles are granted), [G, KB, 16, 4, 32] the AVX-512 one's.
   const bool amx = packed.size(2) == kGroup;
-  TORCH_CHECK(!amx || has_amx(), "linear_packed: a weight packed for AMX, but AMX is not in use");
+#ifdef SPECDEC_AMX
+  TORCH_CHECK(!amx || specdec_cpu_amx::permitted(),
+              "linear_packed: a weight packed for AMX, but the tiles are not granted");
+#else
+  TORCH_CHECK(!amx, "linear_packed: a weight packed for AMX, but the kernels were built without it");
+#endif
   const int64_t M = x.size(0), Kp = packed.size(1) * kTileK;
   const int64_t Mp = amx && M > 16 ? (M + 15) / 16 * 16 : M;
   if (x.stride(1) != 1) x = x.contiguous();
