@@ -149,7 +149,8 @@ def packed_rows(rows: int, out_features: int, in_features: int) -> bool:
     3072 x 576 at 130-146 µs for 1-16 rows, where the kernel took 140 at one row and 221 at five; AVX-512
     BF16 without AMX: on a 2-core AMD EPYC 81-88 µs at five rows against 121-129, level at one row; and a
     row's sums do not depend on the other rows, so verification rows get the bits decode rows get: greedy
-    speculative decoding equals greedy plain decoding bit for bit in bfloat16), else :func:`onednn_rows`. The C++ rule (``csrc/cpu_gemv.cpp``), shared with
+    speculative decoding equals greedy plain decoding bit for bit in bfloat16), else :func:`onednn_rows`.
+    The C++ rule (``csrc/cpu_gemv.cpp``), shared with
     :mod:`kernels.cpu_decode_stack`.
 
     Raises:
