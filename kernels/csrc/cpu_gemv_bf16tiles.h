@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include "cpu_gemv_tiles.h"
 
 namespace specdec_cpu_bf16tiles {
@@ -65,7 +66,9 @@ inline void pass(const uint16_t* x, int64_t xs, const uint16_t* pg, int64_t KB, 
       __m512bh wv[NT];
       for (int j = 0; j < NT; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr + j * 2 * kTileN);
       for (int m = 0; m < MR; ++m) {
-        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xk + m * xs + 2 * r));
+        int32_t pair;  // the input pair (x[2r], x[2r + 1]) as one 32-bit lane, broadcast to all 16
+        std::memcpy(&pair, xk + m * xs + 2 * r, sizeof pair);
+        const __m512i xv = _mm512_set1_epi32(pair);
         for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xv, wv[j]);
       }
     }
