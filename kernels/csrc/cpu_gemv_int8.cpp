@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_gemv_passes.h"
@@ -118,19 +119,6 @@ inline int int8_streams() {
   return streams;
 }
 
-// Output rows [n0, n1) for MC input rows, R weight rows at a time.
-template <int MC, int R, typename Store>
-inline int64_t run_rows(const int8_t* w, int64_t K, const int16_t* xq, int64_t Kp, int64_t n0, int64_t n1,
-                        Store&& store) {
-  float out[R * MC];
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    dot_rows<MC, R>(w + n * K, K, xq, Kp, out);
-    for (int r = 0; r < R; ++r) store(n + r, r, out);
-  }
-  return n;
-}
-
 template <typename X>
 void gemv_int8_vnni(const X* x, int64_t xs, const int8_t* w, const float* scales, const float* bias, X* y,
                     int64_t M, int64_t N, int64_t K) {
@@ -138,24 +126,28 @@ void gemv_int8_vnni(const X* x, int64_t xs, const int8_t* w, const float* scales
   std::vector<int16_t> xq(M * Kp);
   std::vector<float> sx(M);
   quantize_rows(x, xs, M, K, Kp, xq.data(), sx.data());
-  const int streams = int8_streams();
-  specdec_cpu_passes::passes(M, N, [&](int64_t m0, auto rows, int64_t n0, int64_t n1) {
-    constexpr int MC = decltype(rows)::value;
-    auto store = [&](int64_t n, int r, const float* out) {
-      const float b = bias ? bias[n] : 0.f;
-      for (int j = 0; j < MC; ++j) from_float(out[r * MC + j] * sx[m0 + j] * scales[n] + b, y + (m0 + j) * N + n);
-    };
-    const int16_t* xm = xq.data() + m0 * Kp;
-    const int R = std::min(streams, rows_at_once<MC>());
-    int64_t n = R == 4 ? run_rows<MC, (MC <= 2 ? 4 : 1)>(w, K, xm, Kp, n0, n1, store)
-              : R == 2 ? run_rows<MC, (MC <= 4 ? 2 : 1)>(w, K, xm, Kp, n0, n1, store)
-                       : n0;
-    float out[MC];
-    for (; n < n1; ++n) {
-      dot_rows<MC, 1>(w + n * K, K, xm, Kp, out);
-      store(n, 0, out);
-    }
-  });
+  auto run = [&](auto one_stream) {
+    specdec_cpu_passes::passes(M, N, [&](int64_t m0, auto rows, int64_t n0, int64_t n1) {
+      constexpr int MC = decltype(rows)::value, R = decltype(one_stream)::value ? 1 : rows_at_once<MC>();
+      float out[R * MC];
+      auto store = [&](int64_t n, int r) {
+        const float b = bias ? bias[n] : 0.f;
+        for (int j = 0; j < MC; ++j)
+          from_float(out[r * MC + j] * sx[m0 + j] * scales[n] + b, y + (m0 + j) * N + n);
+      };
+      int64_t n = n0;
+      for (; n + R <= n1; n += R) {
+        dot_rows<MC, R>(w + n * K, K, xq.data() + m0 * Kp, Kp, out);
+        for (int r = 0; r < R; ++r) store(n + r, r);
+      }
+      for (; n < n1; ++n) {
+        dot_rows<MC, 1>(w + n * K, K, xq.data() + m0 * Kp, Kp, out);
+        store(n, 0);
+      }
+    });
+  };
+  if (int8_streams() == 1) run(std::true_type{});
+  else run(std::false_type{});
 }
 #endif
 
