@@ -51,7 +51,8 @@ class StackLayer:
     scales by ``1 + w``); ``scale``: the attention softmax scale; ``window``: sliding window in positions
     (0: none); ``softcap``: attention score soft-cap (0: none). ``*_packed``: the linears' packed
     weights (:func:`kernels.cpu_gemv.pack_weight`: AMX or oneDNN) or None; a product takes its packed weight
-    where :func:`kernels.cpu_gemv.packed_rows` says so and the layer has one, as the linear layers do.
+    where :func:`kernels.cpu_gemv.packed_rows` says so and the layer has one, as the linear layers do; for
+    an int8 linear, its codes in tile order (:func:`kernels.cpu_gemv_int8.pack_tiles`) or None.
     ``*_scales``: for a linear held as int8 codes ``[out, in]`` (an int8
     :class:`~specdec.quantization.linear.QuantizedLinear`), its scales ``[out]`` float32, and the product
     runs :func:`kernels.cpu_gemv_int8.gemv_int8` as the layer does; None for a dense linear.

@@ -19,10 +19,13 @@ torch::Tensor linear_packed_op(const torch::Tensor& x, const torch::Tensor& w, c
 }
 
 // The weight-only int8 product (cpu_gemv_int8.cpp), specdec_cpu::gemv_int8, likewise; schema
-// "gemv_int8(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor" (kernels/cpu_gemv_int8.py).
+// "gemv_int8(Tensor x, Tensor codes, Tensor scales, Tensor? bias, Tensor? packed=None) -> Tensor"
+// (kernels/cpu_gemv_int8.py).
 torch::Tensor gemv_int8_op(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                           const std::optional<torch::Tensor>& bias) {
-  return gemv_int8(x, codes, scales, bias.has_value() ? *bias : torch::Tensor());
+                           const std::optional<torch::Tensor>& bias,
+                           const std::optional<torch::Tensor>& packed) {
+  return gemv_int8(x, codes, scales, bias.has_value() ? *bias : torch::Tensor(),
+                   packed.has_value() ? *packed : torch::Tensor());
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
@@ -59,7 +62,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether an [M, K] x [N, K]^T bfloat16 product takes the packed weight (kernels/csrc/cpu_gemv.cpp)");
   m.def("onednn_rows", &onednn_rows,
         "whether an [M, K] x [N, K]^T bfloat16 product takes oneDNN's packed GEMM (kernels/csrc/cpu_gemv.cpp)");
-  m.def("gemv_int8", &gemv_int8, "y = x @ (codes * scales)^T + bias, int8 codes (kernels/csrc/cpu_gemv_int8.cpp)");
+  m.def("gemv_int8", &gemv_int8,
+        "y = x @ (codes * scales)^T + bias, int8 codes, tile-packed or not (csrc/cpu_gemv_int8.cpp)",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("bias"),
+        pybind11::arg("packed") = torch::Tensor());
+  m.def("has_int8_tiles", &has_int8_tiles,
+        "whether int8 codes may be packed in tile order (kernels/csrc/cpu_gemv_int8.cpp)");
+  m.def("pack_int8_tiles", &pack_int8_tiles,
+        "int8 codes [N, K] in the tile kernel's pair-major order (kernels/csrc/cpu_gemv_int8tiles.h)");
   m.def("has_int8_vnni", &has_int8_vnni, "whether int8 products use AVX512_VNNI (kernels/csrc/cpu_gemv_int8.cpp)");
   m.def("has_avx2", &specdec_cpu::has_avx2, "whether the kernels were compiled with AVX2 + FMA");
   bind_decode_stack(m);

@@ -22,18 +22,18 @@
 namespace {
 
 // A linear layer's product as its module computes it: int8 codes (QuantizedLinear, scales given) through
-// the int8 kernel; else its packed weight (AMX or oneDNN) where packed_rows says so and the layer has one
-// (bfloat16), else the GEMV kernel (GemvLinear).
+// the int8 kernel (on their tile-order copy where packed is one); else its packed weight (AMX or oneDNN)
+// where packed_rows says so and the layer has one (bfloat16), else the GEMV kernel (GemvLinear).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
                      const torch::Tensor& packed, const torch::Tensor& scales) {
-  if (w.scalar_type() == torch::kChar) return gemv_int8(x, w, scales, bias);
+  if (w.scalar_type() == torch::kChar) return gemv_int8(x, w, scales, bias, packed);
   if (packed.numel() && packed_rows(x.size(0), w.size(0), w.size(1))) return linear_packed(x, w, packed, bias);
   return gemv(x, w, bias);
 }
 
 // One layer's weights (shared with the model's modules, not copied; int8 codes for a quantized linear),
-// their packed copies (AMX or oneDNN; empty: none), the int8 linears' float32 scales (empty: not int8) and
-// shape. Empty biases: none.
+// their packed copies (AMX or oneDNN; int8: tile order; empty: none), the int8 linears' float32 scales
+// (empty: not int8) and shape. Empty biases: none.
 struct Layer {
   torch::Tensor input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias;
   torch::Tensor qkv_packed, o_packed, gate_up_packed, down_packed;

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_gemv_int8tiles.h"
 #include "cpu_gemv_passes.h"
 #include "cpu_simd.h"
 
@@ -48,18 +49,39 @@ constexpr int64_t kChunk = 4096;  // columns between int32 -> float32 flushes (s
 #endif
 constexpr int64_t kPrefetch = SPECDEC_INT8_PREFETCH;  // bytes ahead
 
-// Input rows quantized to int16: xq [M, Kp] (Kp = K rounded up to 64, zero-padded), sx [M].
+// 16 elements of x as float32 (bfloat16: its bits moved up; float32: loaded), the first n of them (the
+// rest zero; n <= 0: none read).
+inline __mmask16 first(int64_t n) {
+  return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u);
+}
+inline __m512 load16(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }
+inline __m512 load16(const at::BFloat16* p, int64_t n) {
+  const __m256i h = _mm256_maskz_loadu_epi16(first(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Input rows quantized to int16: xq [M, Kp] (Kp = K rounded up to 64, zero-padded), sx [M]. Vectorised: a
+// call's fixed cost is part of every small product (SmolLM2's o projection, 576 x 576, streams in ~12 us);
+// the values equal the scalar form's (max |x| is exact; _mm512_cvtps_epi32 rounds to nearest even, as
+// std::nearbyint in the default rounding mode; |x * inv| <= 32767 plus rounding, so the int16 pack never
+// saturates a value the scalar cast would keep).
 template <typename X>
 void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, int64_t Kp, int16_t* xq, float* sx) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   for (int64_t m = 0; m < M; ++m) {
     const X* row = x + m * xs;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_float(row[k])));
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_and_ps(load16(row + k, K - k), abs_mask));
+    const float amax = _mm512_reduce_max_ps(vmax);
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     sx[m] = amax > 0.f ? amax / 32767.f : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
     int16_t* q = xq + m * Kp;
-    for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int16_t>(std::nearbyint(to_float(row[k]) * inv));
-    std::fill(q + K, q + Kp, int16_t{0});
+    for (int64_t k = 0; k < Kp; k += 16) {  // past K: zeros (load16 masks them)
+      const __m512i i32 = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + k, K - k), vinv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm512_cvtsepi32_epi16(i32));
+    }
   }
 }
 
@@ -67,18 +89,28 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, int64_t Kp, int
 // xq[j, k] * codes[r, k] (exact within each chunk, summed in float32 across chunks). Several weight rows at
 // once (R up to 4) keep several memory streams and independent accumulator chains in flight: at one input
 // row, 14-16 GB/s of codes one weight row at a time, 18-24 with four on a 2-core Intel Xeon (AMX host).
+// Each (row, input row) pair sums into C int32 accumulators (C = 2 U: U blocks of 64 columns per loop
+// step, each block's two halves into their own accumulator), added together at the chunk's end: the sums
+// are exact integers, so C changes no value, only how many vpdpwssd chains run at once. At R = MC = 1 (one
+// weight stream, the Zen 4 choice) a single chain waits on vpdpwssd's latency at every instruction: 3072 x
+// 576 at one row, weights in cache, 37 us with one chain.
+template <int MC, int R>
+constexpr int blocks_per_step() { return R * MC == 1 ? 4 : R * MC <= 4 ? 2 : 1; }
+
 template <int MC, int R>
 inline void dot_rows(const int8_t* w, int64_t K, const int16_t* xq, int64_t Kp, float* out) {
+  constexpr int U = blocks_per_step<MC, R>(), C = 2 * U;
   __m512 sum[R][MC];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < MC; ++j) sum[r][j] = _mm512_setzero_ps();
   for (int64_t c0 = 0; c0 < K; c0 += kChunk) {
     const int64_t c1 = std::min(K, c0 + kChunk);
-    __m512i acc[R][MC];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < MC; ++j) acc[r][j] = _mm512_setzero_si512();
-    int64_t k = c0;
-    for (; k + 64 <= c1; k += 64) {
+    __m512i acc[C][R][MC];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < MC; ++j) acc[c][r][j] = _mm512_setzero_si512();
+    // Columns [k, k + 64) into accumulators 2u and 2u + 1.
+    auto block = [&](int64_t k, int u) {
       __m512i lo[R], hi[R];
       for (int r = 0; r < R; ++r) {
         const int8_t* row = w + r * K + k;
@@ -88,20 +120,31 @@ inline void dot_rows(const int8_t* w, int64_t K, const int16_t* xq, int64_t Kp, 
       }
       for (int j = 0; j < MC; ++j) {
         const __m512i q0 = _mm512_loadu_si512(xq + j * Kp + k), q1 = _mm512_loadu_si512(xq + j * Kp + k + 32);
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[r][j], q0, lo[r]), q1, hi[r]);
+        for (int r = 0; r < R; ++r) {
+          acc[2 * u][r][j] = _mm512_dpwssd_epi32(acc[2 * u][r][j], q0, lo[r]);
+          acc[2 * u + 1][r][j] = _mm512_dpwssd_epi32(acc[2 * u + 1][r][j], q1, hi[r]);
+        }
       }
-    }
+    };
+    int64_t k = c0;
+    for (; k + 64 * U <= c1; k += 64 * U)
+      for (int u = 0; u < U; ++u) block(k + 64 * u, u);
+    for (; k + 64 <= c1; k += 64) block(k, 0);
     for (; k < c1; k += 32) {  // the last columns: codes masked, xq zero-padded to Kp
       const int64_t left = c1 - k;
       const __mmask32 mask = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << left) - 1u);
       for (int r = 0; r < R; ++r) {
         const __m512i v = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + r * K + k));
         for (int j = 0; j < MC; ++j)
-          acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], _mm512_loadu_si512(xq + j * Kp + k), v);
+          acc[0][r][j] = _mm512_dpwssd_epi32(acc[0][r][j], _mm512_loadu_si512(xq + j * Kp + k), v);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < MC; ++j) sum[r][j] = _mm512_add_ps(sum[r][j], _mm512_cvtepi32_ps(acc[r][j]));
+      for (int j = 0; j < MC; ++j) {
+        __m512i total = acc[0][r][j];
+        for (int c = 1; c < C; ++c) total = _mm512_add_epi32(total, acc[c][r][j]);
+        sum[r][j] = _mm512_add_ps(sum[r][j], _mm512_cvtepi32_ps(total));
+      }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < MC; ++j) out[r * MC + j] = _mm512_reduce_add_ps(sum[r][j]);
@@ -172,13 +215,23 @@ void gemv_int8_plain(const X* x, int64_t xs, const int8_t* w, const float* scale
 }
 
 template <typename X>
-void gemv_int8_typed(const torch::Tensor& x, const torch::Tensor& w, const float* scales, const float* bias,
-                     torch::Tensor& y) {
+void gemv_int8_typed(const torch::Tensor& x, const torch::Tensor& w, const int8_t* packed, const float* scales,
+                     const float* bias, torch::Tensor& y) {
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  const X* xp = x.data_ptr<X>();
 #ifdef SPECDEC_INT8_VNNI
-  gemv_int8_vnni<X>(x.data_ptr<X>(), x.stride(0), w.data_ptr<int8_t>(), scales, bias, y.data_ptr<X>(), M, N, K);
+  if (packed) {  // codes in tile order (pack_int8_tiles)
+    const int64_t Kp = (K + 63) / 64 * 64;
+    std::vector<int16_t> xq(M * Kp);
+    std::vector<float> sx(M);
+    quantize_rows(xp, x.stride(0), M, K, Kp, xq.data(), sx.data());
+    specdec_cpu_int8tiles::linear<X>(xq.data(), Kp, sx.data(), M, packed, N, K, scales, bias,
+                                     y.data_ptr<X>());
+    return;
+  }
+  gemv_int8_vnni<X>(xp, x.stride(0), w.data_ptr<int8_t>(), scales, bias, y.data_ptr<X>(), M, N, K);
 #else
-  gemv_int8_plain<X>(x.data_ptr<X>(), x.stride(0), w.data_ptr<int8_t>(), scales, bias, y.data_ptr<X>(), M, N, K);
+  gemv_int8_plain<X>(xp, x.stride(0), w.data_ptr<int8_t>(), scales, bias, y.data_ptr<X>(), M, N, K);
 #endif
 }
 
@@ -193,15 +246,52 @@ bool has_int8_vnni() {
 #endif
 }
 
+// Whether int8 codes may be packed in tile order here (AVX512_VNNI; see pack_int8_tiles).
+bool has_int8_tiles() {
+#ifdef SPECDEC_INT8_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// codes [N, K] int8 in the pair-major tile order, [G, KB, 16, 4, 32] int8 (cpu_gemv_tiles.h; zeros past N
+// or K), for gemv_int8's packed argument. Needs has_int8_tiles().
+torch::Tensor pack_int8_tiles(const torch::Tensor& codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kChar, "pack_int8_tiles: codes [N, K] int8");
+  TORCH_CHECK(has_int8_tiles(), "pack_int8_tiles: the kernels were built without AVX512_VNNI");
+#ifdef SPECDEC_INT8_VNNI
+  using namespace specdec_cpu_tiles;
+  const auto wc = codes.contiguous();
+  const int64_t N = codes.size(0), K = codes.size(1);
+  const int64_t G = (N + kGroup * kTileN - 1) / (kGroup * kTileN), KB = (K + kTileK - 1) / kTileK;
+  auto p = torch::empty({G, KB, kTileK / 2, kGroup, 2 * kTileN}, codes.options());
+  pack(wc.data_ptr<int8_t>(), N, K, p.data_ptr<int8_t>(), /*pair_major=*/true);
+  return p;
+#else
+  return torch::Tensor();
+#endif
+}
+
 // x [M, K] (float32 or bfloat16, unit stride along K), codes [N, K] int8 contiguous, scales [N] (any
-// floating dtype), bias [N] or undefined / empty for none. Returns y [M, N] in x's dtype.
+// floating dtype), bias [N] or undefined / empty for none; packed: empty, or pack_int8_tiles(codes) (the
+// tile kernel, cpu_gemv_int8tiles.h). Returns y [M, N] in x's dtype.
 torch::Tensor gemv_int8(torch::Tensor x, const torch::Tensor& codes, const torch::Tensor& scales,
-                        const torch::Tensor& bias) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1), "gemv_int8: x [M, K], codes [N, K]");
-  TORCH_CHECK(codes.scalar_type() == torch::kChar && codes.is_contiguous(), "gemv_int8: codes must be contiguous int8");
+                        const torch::Tensor& bias, const torch::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1),
+              "gemv_int8: x [M, K], codes [N, K]");
+  TORCH_CHECK(codes.scalar_type() == torch::kChar && codes.is_contiguous(),
+              "gemv_int8: codes must be contiguous int8");
   TORCH_CHECK(scales.numel() == codes.size(0), "gemv_int8: one scale per output row");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "gemv_int8: x must be float32 or bfloat16");
+  const bool tiles = packed.defined() && packed.numel() > 0;
+  if (tiles) {
+    const int64_t N = codes.size(0), K = codes.size(1);
+    TORCH_CHECK(has_int8_tiles() && packed.scalar_type() == torch::kChar && packed.is_contiguous() &&
+                    packed.numel() == (N + 63) / 64 * 64 * ((K + 31) / 32 * 32),
+                "gemv_int8: packed must be pack_int8_tiles(codes)");
+  }
   if (x.stride(1) != 1) x = x.contiguous();
   auto y = torch::empty({x.size(0), codes.size(0)}, x.options());
   if (x.size(0) == 0) return y;
@@ -212,7 +302,8 @@ torch::Tensor gemv_int8(torch::Tensor x, const torch::Tensor& codes, const torch
     bf = bias.to(torch::kFloat32).contiguous();
     bp = bf.data_ptr<float>();
   }
-  if (x.scalar_type() == torch::kFloat32) gemv_int8_typed<float>(x, codes, sf.data_ptr<float>(), bp, y);
-  else gemv_int8_typed<at::BFloat16>(x, codes, sf.data_ptr<float>(), bp, y);
+  const int8_t* pk = tiles ? packed.data_ptr<int8_t>() : nullptr;
+  if (x.scalar_type() == torch::kFloat32) gemv_int8_typed<float>(x, codes, pk, sf.data_ptr<float>(), bp, y);
+  else gemv_int8_typed<at::BFloat16>(x, codes, pk, sf.data_ptr<float>(), bp, y);
   return y;
 }

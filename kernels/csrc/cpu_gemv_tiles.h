@@ -19,16 +19,18 @@ constexpr int64_t kTileElems = kTileN * kTileK;
 
 // w [N, K] (bfloat16 bits, row-major) into the packed layout above, p [G * KB * 4 * 512]; pair_major: the
 // tiles' rows interleaved instead, [G, KB, 16, 4, 32] (element [g, kb, r, j, 2c + e]), so that one input
-// pair's weights for the group's 64 outputs lie together (the AVX-512 BF16 kernel's order).
-inline void pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* p, bool pair_major = false) {
+// pair's weights for the group's 64 outputs lie together (the AVX-512 BF16 kernel's order). T = int8_t:
+// int8 codes in the same order (the int8 kernel's, cpu_gemv_int8tiles.h).
+template <typename T>
+inline void pack(const T* w, int64_t N, int64_t K, T* p, bool pair_major = false) {
   const int64_t KB = (K + kTileK - 1) / kTileK, G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t kb = 0; kb < KB; ++kb)
         for (int64_t j = 0; j < kGroup; ++j) {
-          uint16_t* t = p + (g * KB + kb) * kGroup * kTileElems;
+          T* t = p + (g * KB + kb) * kGroup * kTileElems;
           for (int64_t r = 0; r < kTileK / 2; ++r) {
-            uint16_t* row = t + (pair_major ? (r * kGroup + j) : (j * kTileK / 2 + r)) * 2 * kTileN;
+            T* row = t + (pair_major ? (r * kGroup + j) : (j * kTileK / 2 + r)) * 2 * kTileN;
             for (int64_t c = 0; c < kTileN; ++c)
               for (int64_t e = 0; e < 2; ++e) {
                 const int64_t n = (g * kGroup + j) * kTileN + c, k = kb * kTileK + 2 * r + e;

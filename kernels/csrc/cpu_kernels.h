@@ -18,8 +18,10 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, cons
                             const torch::Tensor& bias);
 // cpu_gemv_int8.cpp
 torch::Tensor gemv_int8(torch::Tensor x, const torch::Tensor& codes, const torch::Tensor& scales,
-                        const torch::Tensor& bias);
+                        const torch::Tensor& bias, const torch::Tensor& packed = torch::Tensor());
 bool has_int8_vnni();
+bool has_int8_tiles();
+torch::Tensor pack_int8_tiles(const torch::Tensor& codes);
 // cpu_attention.cpp
 void paged_attention_short(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_table, torch::Tensor reqs, torch::Tensor q_start,

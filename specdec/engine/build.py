@@ -115,7 +115,7 @@ def build_engine_parts(
     for m in (model, *drafter_modules(drafter)):
         if use_gemv_linears(m, memo) == 0 and not compiled:
             pack_linears(m, memo)
-        elif not compiled:  # verification / batched rows, prefill chunks: packed (AMX or oneDNN)
+        if not compiled:  # verification / batched rows, prefill chunks: packed (tiles or oneDNN); int8 tiles
             use_packed_weights(m)
         use_cpu_layer_ops(m)  # norms, RoPE and SiLU products through the CPU kernels where they build
     runner = ModelRunner(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_gemv
+from kernels import cpu_gemv, cpu_gemv_int8
 
 
 class GemvLinear(nn.Module):
@@ -74,11 +74,24 @@ def use_packed_weights(model: nn.Module) -> int:
     """Give every bfloat16 :class:`GemvLinear` of ``model`` a packed copy of its weight
     (:func:`kernels.cpu_gemv.pack_weight`: the AMX kernel's tile order where the CPU has AMX, else oneDNN's
     layout), used where :func:`kernels.cpu_gemv.packed_rows` says it is faster than the kernel
-    (verification and batched decode rows, prefill chunks): the weights' memory doubles. Eager engines only
-    (a ``torch.compile`` trace keeps the kernel). Returns the number of layers given one (0 where
-    :func:`kernels.cpu_gemv.packing_supported` says no, e.g. ``SPECDEC_CPU_ONEDNN=0``)."""
+    (verification and batched decode rows, prefill chunks): the weights' memory doubles. Likewise every int8
+    :class:`~specdec.quantization.linear.QuantizedLinear` on the int8 kernel, where
+    :func:`kernels.cpu_gemv_int8.tiles`: its codes in the int8 tile kernel's order, used for all its rows.
+    Eager engines only (a ``torch.compile`` trace keeps the kernel). Returns the number of layers given one
+    (0 where :func:`kernels.cpu_gemv.packing_supported` says no, e.g. ``SPECDEC_CPU_ONEDNN=0``, and there
+    is no int8 layer)."""
+    from specdec.quantization.linear import QuantizedLinear
+
     done = 0
+    int8_tiles: bool | None = None  # asked once, at the first int8 layer
     for m in model.modules():
+        if isinstance(m, QuantizedLinear) and m.int8_kernel and m.packed is None:
+            if int8_tiles is None:
+                int8_tiles = cpu_gemv_int8.tiles()
+            if int8_tiles and m.qweight.device.type == "cpu":
+                m.packed = cpu_gemv_int8.pack_tiles(m.qweight)
+                done += 1
+            continue
         if (
             isinstance(m, GemvLinear)
             and m.packed is None

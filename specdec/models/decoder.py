@@ -588,15 +588,15 @@ def _stack_linear(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """``(weight, packed, scales)`` of a linear the stack takes, computed there as the module computes it:
     a :class:`GemvLinear` on the kernel (its weight and packed copy), or an int8
-    :class:`~specdec.quantization.linear.QuantizedLinear` on the int8 kernel (its codes and float32
-    scales); None for any other."""
+    :class:`~specdec.quantization.linear.QuantizedLinear` on the int8 kernel (its codes, their tile-order
+    copy or None, and float32 scales); None for any other."""
     from specdec.models.cpu_linear import GemvLinear
     from specdec.quantization.linear import QuantizedLinear
 
     if isinstance(module, GemvLinear) and module.direct and module.weight.dtype == dtype:
         return module.weight, module.packed, None
     if isinstance(module, QuantizedLinear) and module.int8_kernel and module.dtype == dtype:
-        return module.qweight, None, module.scales.float()
+        return module.qweight, module.packed, module.scales.float()
     return None
 
 

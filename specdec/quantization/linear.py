@@ -173,6 +173,9 @@ class QuantizedLinear(nn.Module):
             qw.scheme == "int8" and kernel == "auto" and device.type == "cpu" and cpu_gemv_int8.available()
         )
         self.int4_packed = qw.scheme == "int4" and uses_int4_packed_layout(n, k, dtype, device, kernel)
+        #: The int8 codes in the tile kernel's order (:func:`kernels.cpu_gemv_int8.pack_tiles`), given by
+        #: :func:`specdec.models.cpu_linear.use_packed_weights` to an eager engine's layers; None: none.
+        self.packed: torch.Tensor | None = None
         if qw.scheme == "int8":
             qweight, scales = qw.codes, qw.scales.reshape(n)
         elif self.int4_packed:
@@ -286,7 +289,8 @@ class QuantizedLinear(nn.Module):
             and x2.dtype in (torch.float32, torch.bfloat16)
             and x2.device.type == "cpu"
         ):
-            out = torch.ops.specdec_cpu.gemv_int8(x2, self.qweight, self.scales, self.bias)
+            packed = None if torch.compiler.is_compiling() else self.packed
+            out = torch.ops.specdec_cpu.gemv_int8(x2, self.qweight, self.scales, self.bias, packed)
         elif self._use_packed(rows, x2.dtype):
             if self.scheme == "int8":
                 out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)

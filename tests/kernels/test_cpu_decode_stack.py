@@ -428,19 +428,26 @@ def test_smollm2_bfloat16_speculation_equals_plain_decoding_with_tiles(smollm2_d
         assert got == want, spec["method"]
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["rowmajor", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_stack_takes_int8_layers_bit_for_bit(dtype):
+def test_stack_takes_int8_layers_bit_for_bit(dtype, tiles):
     """An int8-quantized model (the quantized self-drafter's form) gets the C++ stack, whose output and
-    K/V equal the per-layer path's (QuantizedLinear on the same kernel) bit for bit."""
-    from kernels import cpu_decode_stack
+    K/V equal the per-layer path's (QuantizedLinear on the same kernel) bit for bit, with the codes
+    row-major or given their tile-order copies (as an eager engine's are)."""
+    from kernels import cpu_decode_stack, cpu_gemv_int8
     from kernels.testing import make_paged_batch
+    from specdec.models.cpu_linear import use_packed_weights
     from specdec.models.decoder import use_cpu_layer_ops
     from specdec.quantization.apply import quantize_model
     from specdec.quantization.config import QuantizationConfig
 
     if not cpu_decode_stack.available():
         pytest.skip("the layer stack does not build here")
+    if tiles and not cpu_gemv_int8.tiles():
+        pytest.skip("the int8 tile kernel needs AVX512_VNNI")
     model = quantize_model(_model(dtype), QuantizationConfig("int8"))
+    if tiles:
+        assert use_packed_weights(model) == 4 * len(model.layers) + 1  # and the LM head
     use_cpu_layer_ops(model)
     assert model.decode_stack is not None and len(model.decode_stack) == 3
     batch = make_paged_batch([(1, 13), (5, 9)], 4, 2, HEAD_DIM, block_size=4, dtype=dtype, write_new=False)

@@ -1,6 +1,7 @@
 """The weight-only int8 kernel (:mod:`kernels.cpu_gemv_int8`) against its reference (dequantize, then
 ``F.linear``), within its stated bound: the input's int16 rounding (:func:`error_bound`) plus the output
-rounding of the two results. Then its users: :class:`QuantizedLinear` sends few-row int8 products to it,
+rounding of the two results, on the row-major codes and on their tile-order copy (the tile kernel, where
+the kernels have AVX512_VNNI). Then its users: :class:`QuantizedLinear` sends few-row int8 products to it,
 and the C++ layer stack takes int8 layers and equals their per-layer path bit for bit."""
 
 from __future__ import annotations
@@ -41,44 +42,53 @@ def _assert_within_bound(got: torch.Tensor, x, codes, scales, bias) -> None:
     )
 
 
+def _packed(codes: torch.Tensor, layout: str) -> torch.Tensor | None:
+    """None (row-major) or the codes' tile-order copy; skips where the tile kernel is not built."""
+    if layout == "rowmajor":
+        return None
+    if not cpu_gemv_int8.tiles():
+        pytest.skip("the int8 tile kernel needs AVX512_VNNI")
+    return cpu_gemv_int8.pack_tiles(codes)
+
+
+LAYOUTS = ["rowmajor", "tiles"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_kernel_within_its_bound_of_the_reference(shape, dtype):
+def test_kernel_within_its_bound_of_the_reference(shape, dtype, layout):
     x, codes, scales, bias = _case(*shape, dtype)
-    _assert_within_bound(gemv_int8(x, codes, scales, bias), x, codes, scales, bias)
-    _assert_within_bound(gemv_int8(x, codes, scales, None), x, codes, scales, None)
+    packed = _packed(codes, layout)
+    _assert_within_bound(gemv_int8(x, codes, scales, bias, packed), x, codes, scales, bias)
+    _assert_within_bound(gemv_int8(x, codes, scales, None, packed), x, codes, scales, None)
 
 
-def test_bound_is_tight_enough_to_catch_a_wrong_scale():
-    """Negative control: a kernel result with one output row's scale off by 1 % falls outside the bound."""
-    x, codes, scales, bias = _case(5, 64, 576, torch.float32)
-    got = gemv_int8(x, codes, scales, bias)
-    got[:, 7] = (got[:, 7] - bias[7]) * 1.01 + bias[7]
-    with pytest.raises(AssertionError):
-        _assert_within_bound(got, x, codes, scales, bias)
+@pytest.mark.parametrize("shape", [(1, 1), (64, 32), (100, 70), (960, 576), (19, 4097)])
+def test_tile_packing_equals_its_reference(shape):
+    codes = torch.randint(-127, 128, shape, generator=torch.Generator().manual_seed(2), dtype=torch.int8)
+    got = _packed(codes, "tiles")
+    want = cpu_gemv_int8.pack_tiles_reference(codes)
+    assert got.dtype == torch.int8 and torch.equal(got, want)
 
 
-def test_edge_inputs():
-    """No rows: an empty result. A zero input row: exactly the bias. A strided input row: as contiguous."""
-    x, codes, scales, bias = _case(3, 20, 100, torch.bfloat16)
-    assert gemv_int8(x[:0], codes, scales, bias).shape == (0, 20)
-    x[1] = 0
-    assert torch.equal(gemv_int8(x, codes, scales, bias)[1], bias)
-    wide = torch.zeros(3, 200, dtype=torch.bfloat16)
-    wide[:, ::2] = x
-    assert torch.equal(gemv_int8(wide[:, ::2], codes, scales, bias), gemv_int8(x, codes, scales, bias))
-    with pytest.raises(RuntimeError, match="int8"):
-        gemv_int8(x, codes.float(), scales, bias)
-    with pytest.raises(RuntimeError, match="one scale per output row"):
-        gemv_int8(x, codes, scales[:5], bias)
-
-
-def test_rows_are_independent():
-    """Each input row's quantization scale is its own: a row's output does not depend on the others."""
-    x, codes, scales, bias = _case(6, 48, 256, torch.bfloat16, seed=3)
-    together = gemv_int8(x, codes, scales, bias)
-    for i in range(6):
-        assert torch.equal(gemv_int8(x[i : i + 1], codes, scales, bias), together[i : i + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_tile_kernel_rows_are_batch_invariant(dtype):
+    """A row's outputs are the same bits whichever rows share its passes (1, 5, 6, 7, 13 and 40 rows:
+    passes of up to 6), K past one 512-column block; and they agree with the row-major kernel within
+    float32 rounding (the two add their integer partial sums in different groupings)."""
+    x, codes, scales, bias = _case(40, 150, 1100, dtype, seed=5)
+    packed = _packed(codes, "tiles")
+    alone = torch.cat([gemv_int8(x[i : i + 1], codes, scales, bias, packed) for i in range(40)])
+    for rows in (5, 6, 7, 13, 40):
+        assert torch.equal(gemv_int8(x[:rows], codes, scales, bias, packed), alone[:rows])
+    rowmajor = gemv_int8(x, codes, scales, bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(alone, rowmajor, rtol=1e-5, atol=1e-4)
+    else:  # one bfloat16 step at most
+        assert bool(((alone.float() - rowmajor.float()).abs() <= 2.0**-7 * rowmajor.float().abs()).all())
+    with pytest.raises(RuntimeError, match="pack_int8_tiles"):
+        gemv_int8(x, codes, scales, bias, _packed(codes[:, :500], "tiles"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -98,3 +108,25 @@ def test_quantized_linear_takes_the_kernel_for_few_rows(dtype):
     )
     forced = QuantizedLinear.from_weight(weight, bias, "int8", None, dtype, kernel="reference")
     assert not forced.int8_kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_packed_quantized_linear_takes_the_tile_kernel(dtype):
+    """use_packed_weights gives an int8 layer on the kernel its tile-order codes, and its products are the
+    tile kernel's (within the bound of the reference); SPECDEC_CPU_INT8_TILES=0 keeps it row-major."""
+    from specdec.models.cpu_linear import use_packed_weights
+    from specdec.quantization.linear import QuantizedLinear
+
+    g = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(130, 600, generator=g), torch.randn(130, generator=g)
+    layer = QuantizedLinear.from_weight(weight, bias, "int8", None, dtype)
+    packed = _packed(layer.qweight, "tiles")
+    assert layer.packed is None and use_packed_weights(layer) == 1 and torch.equal(layer.packed, packed)
+    x = torch.randn(3, 600, generator=g).to(dtype)
+    got = layer(x)
+    assert torch.equal(got, gemv_int8(x, layer.qweight, layer.scales, layer.bias, packed))
+    _assert_within_bound(got, x, layer.qweight, layer.scales, layer.bias)
+    again = QuantizedLinear.from_weight(weight, bias, "int8", None, dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_gemv_int8.TILES_DISABLE_ENV, "0")
+        assert not cpu_gemv_int8.tiles() and use_packed_weights(again) == 0 and again.packed is None
