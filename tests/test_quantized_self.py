@@ -215,6 +215,38 @@ def test_on_the_targets_kv_the_drafter_never_catches_up(tiny_target, monkeypatch
     assert own.engine.drafter.runner.kv_caches is not own.engine.runner.kv_caches
 
 
+def test_on_the_targets_kv_the_drafter_skips_prompt_chunks(tiny_target, monkeypatch):
+    """On the target's K/V the drafter does not run over a prompt chunk longer than
+    SHARED_KV_MAX_NEW_TOKENS (the target writes its K/V in the same step): no draft-model forward reads
+    more than one row per request, a 40-token prompt's first step drafts nothing, later steps draft, and the
+    output is plain decoding's. A prompt of at most that length still drafts on its first step."""
+    from specdec.drafters.draft_model import SHARED_KV_MAX_NEW_TOKENS
+
+    long_prompt = (_prompts(6)[-1] * 3)[:40]
+    short_prompt = long_prompt[:SHARED_KV_MAX_NEW_TOKENS]
+    assert len(long_prompt) == 40 > SHARED_KV_MAX_NEW_TOKENS
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    common = dict(skip_tokenizer_init=True, block_size=4)
+    spec = {"method": "quantized_self", "quantization": "int8", "num_speculative_tokens": 3}
+    for prompt, first_drafts in ((long_prompt, False), (short_prompt, True)):
+        base = LLM(tiny_target, **common).generate([{"prompt_token_ids": prompt}], params)
+        llm = LLM(tiny_target, speculative_config=spec, **common)
+        runner = llm.engine.drafter.runner
+        rows: list[int] = []  # rows of each draft-model forward
+        execute = runner.execute
+        monkeypatch.setattr(
+            runner,
+            "execute",
+            lambda inputs, rows=rows, execute=execute: (
+                rows.append(inputs.input_ids.numel()) or execute(inputs)
+            ),
+        )
+        out = llm.generate([{"prompt_token_ids": prompt}], params)
+        assert out[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+        assert (max(rows) == len(prompt)) == first_drafts and min(rows) == 1
+        assert llm.engine.spec_stats.num_drafts > 0
+
+
 def test_quantized_self_config_errors(tiny_target):
     from specdec.config import SpeculativeConfig
     from specdec.errors import ConfigError
