@@ -16,6 +16,9 @@
 // bfloat16's 8. Overflow: a lane adds two products of at most 127 * 32767 per instruction; the int32
 // lanes are flushed into float32 every kChunk columns (4096: at most 64 instructions, 5.3e8 per lane).
 //
+// The codes may also come as a second copy in the pair-major tile order (pack_int8_tiles below): the same
+// quantized input and products through cpu_gemv_int8tiles.h, without horizontal sums.
+//
 // Without AVX512_VNNI (or AVX512BW) the same products run in float32 on the unquantized input, a plain
 // loop the compiler vectorises. Reference: kernels/cpu_gemv_int8.py:gemv_int8_reference (dequantize, then
 // F.linear); tests/kernels/test_cpu_gemv_int8.py. Source: Intel Intrinsics Guide, _mm512_dpwssd_epi32.
@@ -93,7 +96,7 @@ void quantize_rows(const X* x, int64_t xs, int64_t M, int64_t K, int64_t Kp, int
 // step, each block's two halves into their own accumulator), added together at the chunk's end: the sums
 // are exact integers, so C changes no value, only how many vpdpwssd chains run at once. At R = MC = 1 (one
 // weight stream, the Zen 4 choice) a single chain waits on vpdpwssd's latency at every instruction: 3072 x
-// 576 at one row, weights in cache, 37 us with one chain.
+// 576 at one row, weights in cache, 37 us with one chain, 32 with four (Zen 4).
 template <int MC, int R>
 constexpr int blocks_per_step() { return R * MC == 1 ? 4 : R * MC <= 4 ? 2 : 1; }
 

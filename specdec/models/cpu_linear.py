@@ -89,7 +89,7 @@ def use_packed_weights(model: nn.Module) -> int:
             if int8_tiles is None:
                 int8_tiles = cpu_gemv_int8.tiles()
             if int8_tiles and m.qweight.device.type == "cpu":
-                m.packed = cpu_gemv_int8.pack_tiles(m.qweight)
+                m.set_tile_codes(cpu_gemv_int8.pack_tiles(m.qweight))
                 done += 1
             continue
         if (

@@ -596,7 +596,7 @@ def _stack_linear(
     if isinstance(module, GemvLinear) and module.direct and module.weight.dtype == dtype:
         return module.weight, module.packed, None
     if isinstance(module, QuantizedLinear) and module.int8_kernel and module.dtype == dtype:
-        return module.qweight, module.packed, module.scales.float()
+        return module.qweight, module.tile_codes(), module.scales.float()
     return None
 
 

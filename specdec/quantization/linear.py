@@ -175,7 +175,9 @@ class QuantizedLinear(nn.Module):
         self.int4_packed = qw.scheme == "int4" and uses_int4_packed_layout(n, k, dtype, device, kernel)
         #: The int8 codes in the tile kernel's order (:func:`kernels.cpu_gemv_int8.pack_tiles`), given by
         #: :func:`specdec.models.cpu_linear.use_packed_weights` to an eager engine's layers; None: none.
+        #: Read through :meth:`tile_codes`, which drops it once ``qweight`` is replaced.
         self.packed: torch.Tensor | None = None
+        self._packed_from: torch.Tensor | None = None  # the qweight it was packed from
         if qw.scheme == "int8":
             qweight, scales = qw.codes, qw.scales.reshape(n)
         elif self.int4_packed:
@@ -271,6 +273,16 @@ class QuantizedLinear(nn.Module):
             w = w + zeros.float()[..., None]
         return w.reshape(n, k).to(dtype)
 
+    def set_tile_codes(self, packed: torch.Tensor) -> None:
+        """Keep ``packed`` (:func:`kernels.cpu_gemv_int8.pack_tiles` of the current ``qweight``)."""
+        self.packed, self._packed_from = packed, self.qweight
+
+    def tile_codes(self) -> torch.Tensor | None:
+        """The tile-order copy of the codes, or None (none given, or ``qweight`` replaced since)."""
+        if self.packed is None or self._packed_from is not self.qweight:
+            return None
+        return self.packed
+
     def _use_packed(self, rows: int, dtype: torch.dtype) -> bool:
         if self.scheme == "int4":
             return self.int4_packed
@@ -289,7 +301,7 @@ class QuantizedLinear(nn.Module):
             and x2.dtype in (torch.float32, torch.bfloat16)
             and x2.device.type == "cpu"
         ):
-            packed = None if torch.compiler.is_compiling() else self.packed
+            packed = None if torch.compiler.is_compiling() else self.tile_codes()
             out = torch.ops.specdec_cpu.gemv_int8(x2, self.qweight, self.scales, self.bias, packed)
         elif self._use_packed(rows, x2.dtype):
             if self.scheme == "int8":

@@ -126,6 +126,9 @@ def test_packed_quantized_linear_takes_the_tile_kernel(dtype):
     got = layer(x)
     assert torch.equal(got, gemv_int8(x, layer.qweight, layer.scales, layer.bias, packed))
     _assert_within_bound(got, x, layer.qweight, layer.scales, layer.bias)
+    layer.qweight = -layer.qweight  # codes replaced: their old tile copy is no longer used
+    assert layer.tile_codes() is None
+    assert torch.equal(layer(x), gemv_int8(x, layer.qweight, layer.scales, layer.bias))
     again = QuantizedLinear.from_weight(weight, bias, "int8", None, dtype)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(cpu_gemv_int8.TILES_DISABLE_ENV, "0")
