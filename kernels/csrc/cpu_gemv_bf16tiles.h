@@ -88,37 +88,15 @@ inline void pass(const uint16_t* x, int64_t xs, const uint16_t* pg, int64_t KB, 
 }
 
 // y [M, N] (bfloat16 bits, row stride N) = x @ w^T + bias. x: rows of at least KB * 32 elements (zeros
-// past K), row stride xs elements; p packed pair-major by specdec_cpu_tiles::pack. Each thread takes
-// half-groups (specdec_cpu_tiles::for_half_groups); per group the input rows go in equal passes of at most
-// kMaxRows, each streaming the group's weights (from memory the first time, from the cache after: a group
-// holds 4 KB per 32 inputs).
+// past K), row stride xs elements; p packed pair-major by specdec_cpu_tiles::pack. Passes as
+// specdec_cpu_tiles::for_passes makes them (half-groups per thread; per group passes of at most kMaxRows
+// rows: a group holds 4 KB of weights per 32 inputs, read from the cache after the first pass).
 inline void linear(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* p, int64_t N, int64_t K,
                    const float* bias, uint16_t* y) {
-  const int64_t KB = (K + kTileK - 1) / kTileK, G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
-  const int64_t count = (M + kMaxRows - 1) / kMaxRows, per_pass = (M + count - 1) / count;
-  for_half_groups(G, [&](int64_t g, int64_t j0, int64_t j1) {
-    const uint16_t* pg = p + g * KB * kGroup * kTileElems;
-    const int64_t n_first = (g * kGroup + j0) * kTileN;
-    for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
-      const uint16_t* xm = x + m0 * xs;
-      uint16_t* ym = y + m0 * N;
-#define SPECDEC_TILE_PASS(MR, NT) pass<MR, NT>(xm, xs, pg, KB, j0, n_first, N, bias, ym)
-      switch (std::min<int64_t>(per_pass, M - m0) * 10 + (j1 - j0)) {
-        case 64: SPECDEC_TILE_PASS(6, 4); break;
-        case 54: SPECDEC_TILE_PASS(5, 4); break;
-        case 44: SPECDEC_TILE_PASS(4, 4); break;
-        case 34: SPECDEC_TILE_PASS(3, 4); break;
-        case 24: SPECDEC_TILE_PASS(2, 4); break;
-        case 14: SPECDEC_TILE_PASS(1, 4); break;
-        case 62: SPECDEC_TILE_PASS(6, 2); break;
-        case 52: SPECDEC_TILE_PASS(5, 2); break;
-        case 42: SPECDEC_TILE_PASS(4, 2); break;
-        case 32: SPECDEC_TILE_PASS(3, 2); break;
-        case 22: SPECDEC_TILE_PASS(2, 2); break;
-        default: SPECDEC_TILE_PASS(1, 2); break;
-      }
-#undef SPECDEC_TILE_PASS
-    }
+  const int64_t KB = (K + kTileK - 1) / kTileK;
+  for_passes(M, N, kMaxRows, [&](int64_t g, int64_t j0, int64_t m0, auto mr, auto nt) {
+    pass<decltype(mr)::value, decltype(nt)::value>(x + m0 * xs, xs, p + g * KB * kGroup * kTileElems, KB, j0,
+                                                   (g * kGroup + j0) * kTileN, N, bias, y + m0 * N);
   });
 }
 

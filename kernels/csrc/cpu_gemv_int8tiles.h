@@ -109,37 +109,16 @@ inline void pass(const int16_t* xq, int64_t Kp, const float* sx, const int8_t* p
 }
 
 // y [M, N] (row stride N) = dequantized product on p = codes packed pair-major (specdec_cpu_tiles::pack with
-// int8 elements): xq [M, Kp] the int16 input rows, sx [M] their scales. Threads take half-groups
-// (specdec_cpu_tiles::for_half_groups); per group the input rows go in equal passes of at most kMaxRows.
+// int8 elements): xq [M, Kp] the int16 input rows, sx [M] their scales. Passes as
+// specdec_cpu_tiles::for_passes makes them (half-groups per thread, passes of at most kMaxRows rows).
 template <typename X>
 inline void linear(const int16_t* xq, int64_t Kp, const float* sx, int64_t M, const int8_t* p, int64_t N,
                    int64_t K, const float* scales, const float* bias, X* y) {
-  const int64_t KB = (K + kTileK - 1) / kTileK, G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
-  const int64_t count = (M + kMaxRows - 1) / kMaxRows, per_pass = (M + count - 1) / count;
-  for_half_groups(G, [&](int64_t g, int64_t j0, int64_t j1) {
-    const int8_t* pg = p + g * KB * kGroup * kTileElems;
-    const int64_t n_first = (g * kGroup + j0) * kTileN;
-    for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
-      const int16_t* xm = xq + m0 * Kp;
-      X* ym = y + m0 * N;
-#define SPECDEC_INT8_TILE_PASS(MR, NT) \
-  pass<MR, NT>(xm, Kp, sx + m0, pg, KB, j0, n_first, N, scales, bias, ym)
-      switch (std::min<int64_t>(per_pass, M - m0) * 10 + (j1 - j0)) {
-        case 64: SPECDEC_INT8_TILE_PASS(6, 4); break;
-        case 54: SPECDEC_INT8_TILE_PASS(5, 4); break;
-        case 44: SPECDEC_INT8_TILE_PASS(4, 4); break;
-        case 34: SPECDEC_INT8_TILE_PASS(3, 4); break;
-        case 24: SPECDEC_INT8_TILE_PASS(2, 4); break;
-        case 14: SPECDEC_INT8_TILE_PASS(1, 4); break;
-        case 62: SPECDEC_INT8_TILE_PASS(6, 2); break;
-        case 52: SPECDEC_INT8_TILE_PASS(5, 2); break;
-        case 42: SPECDEC_INT8_TILE_PASS(4, 2); break;
-        case 32: SPECDEC_INT8_TILE_PASS(3, 2); break;
-        case 22: SPECDEC_INT8_TILE_PASS(2, 2); break;
-        default: SPECDEC_INT8_TILE_PASS(1, 2); break;
-      }
-#undef SPECDEC_INT8_TILE_PASS
-    }
+  const int64_t KB = (K + kTileK - 1) / kTileK;
+  for_passes(M, N, kMaxRows, [&](int64_t g, int64_t j0, int64_t m0, auto mr, auto nt) {
+    pass<decltype(mr)::value, decltype(nt)::value>(xq + m0 * Kp, Kp, sx + m0, p + g * KB * kGroup * kTileElems,
+                                                   KB, j0, (g * kGroup + j0) * kTileN, N, scales, bias,
+                                                   y + m0 * N);
   });
 }
 

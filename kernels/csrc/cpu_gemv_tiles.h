@@ -8,7 +8,9 @@
 // 16 outputs), and a group's tiles for one kb lie together, so a thread streams one contiguous range.
 #pragma once
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace specdec_cpu_tiles {
 
@@ -51,6 +53,41 @@ inline void for_half_groups(int64_t G, F&& f) {
       const int64_t j0 = 2 * (std::max(u0, 2 * g) - 2 * g), j1 = 2 * (std::min(u1, 2 * g + 2) - 2 * g);
       f(g, j0, j1);
     }
+  });
+}
+
+// f(std::integral_constant<int, MR>{}, std::integral_constant<int, NT>{}) for a pass of MR = rows input
+// rows (1-6) over NT = tiles of a group (4: the whole group, else 2: a half): the packed kernels' passes
+// take both as compile-time constants (their accumulators, MR x NT vectors, stay in registers).
+template <typename F>
+inline void with_pass_shape(int64_t rows, int64_t tiles, F&& f) {
+  auto call = [&](auto mr) {
+    if (tiles == 4) f(mr, std::integral_constant<int, 4>{});
+    else f(mr, std::integral_constant<int, 2>{});
+  };
+  switch (rows) {
+    case 6: call(std::integral_constant<int, 6>{}); break;
+    case 5: call(std::integral_constant<int, 5>{}); break;
+    case 4: call(std::integral_constant<int, 4>{}); break;
+    case 3: call(std::integral_constant<int, 3>{}); break;
+    case 2: call(std::integral_constant<int, 2>{}); break;
+    default: call(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// The passes of an [M, K] x [N, K]^T product on a packed weight (the packed kernels' loop): threads take
+// half-groups (for_half_groups); per group the M input rows go in equal passes of at most max_rows (<= 6),
+// each streaming the group's weights (from memory the first time, from the cache after).
+// f(g, j0, m0, mr, nt): group g's tiles [j0, j0 + NT) for input rows [m0, m0 + MR), MR and NT
+// std::integral_constants (with_pass_shape).
+template <typename F>
+inline void for_passes(int64_t M, int64_t N, int64_t max_rows, F&& f) {
+  const int64_t G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
+  const int64_t count = (M + max_rows - 1) / max_rows, per_pass = (M + count - 1) / count;
+  for_half_groups(G, [&](int64_t g, int64_t j0, int64_t j1) {
+    for (int64_t m0 = 0; m0 < M; m0 += per_pass)
+      with_pass_shape(std::min<int64_t>(per_pass, M - m0), j1 - j0,
+                      [&](auto mr, auto nt) { f(g, j0, m0, mr, nt); });
   });
 }
 
