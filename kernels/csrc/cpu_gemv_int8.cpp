@@ -166,12 +166,16 @@ inline int int8_streams() {
 }
 
 template <typename X>
-void gemv_int8_vnni(const X* x, int64_t xs, const int8_t* w, const float* scales, const float* bias, X* y,
-                    int64_t M, int64_t N, int64_t K) {
+void gemv_int8_vnni(const X* x, int64_t xs, const int8_t* w, const int8_t* packed, const float* scales,
+                    const float* bias, X* y, int64_t M, int64_t N, int64_t K) {
   const int64_t Kp = (K + 63) / 64 * 64;
   std::vector<int16_t> xq(M * Kp);
   std::vector<float> sx(M);
   quantize_rows(x, xs, M, K, Kp, xq.data(), sx.data());
+  if (packed) {  // codes in tile order (pack_int8_tiles)
+    specdec_cpu_int8tiles::linear<X>(xq.data(), Kp, sx.data(), M, packed, N, K, scales, bias, y);
+    return;
+  }
   auto run = [&](auto one_stream) {
     specdec_cpu_passes::passes(M, N, [&](int64_t m0, auto rows, int64_t n0, int64_t n1) {
       constexpr int MC = decltype(rows)::value, R = decltype(one_stream)::value ? 1 : rows_at_once<MC>();
@@ -223,16 +227,7 @@ void gemv_int8_typed(const torch::Tensor& x, const torch::Tensor& w, const int8_
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   const X* xp = x.data_ptr<X>();
 #ifdef SPECDEC_INT8_VNNI
-  if (packed) {  // codes in tile order (pack_int8_tiles)
-    const int64_t Kp = (K + 63) / 64 * 64;
-    std::vector<int16_t> xq(M * Kp);
-    std::vector<float> sx(M);
-    quantize_rows(xp, x.stride(0), M, K, Kp, xq.data(), sx.data());
-    specdec_cpu_int8tiles::linear<X>(xq.data(), Kp, sx.data(), M, packed, N, K, scales, bias,
-                                     y.data_ptr<X>());
-    return;
-  }
-  gemv_int8_vnni<X>(xp, x.stride(0), w.data_ptr<int8_t>(), scales, bias, y.data_ptr<X>(), M, N, K);
+  gemv_int8_vnni<X>(xp, x.stride(0), w.data_ptr<int8_t>(), packed, scales, bias, y.data_ptr<X>(), M, N, K);
 #else
   gemv_int8_plain<X>(xp, x.stride(0), w.data_ptr<int8_t>(), scales, bias, y.data_ptr<X>(), M, N, K);
 #endif

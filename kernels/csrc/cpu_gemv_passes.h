@@ -1,26 +1,28 @@
-// The row passes shared by the AVX-512 skinny-product kernels (cpu_gemv_bf16dp.h, cpu_gemv_f32x16.h):
-// threads over output rows, input rows in passes of at most 16 (each pass streams the weights once), a
-// pass's row count a compile-time constant for its kernel.
+// The row passes shared by the AVX-512 skinny-product kernels (cpu_gemv_bf16dp.h, cpu_gemv_f32x16.h,
+// cpu_gemv_int8.cpp): threads over output rows, input rows in passes of at most 16 (each pass streams the
+// weights once), a pass's row count a compile-time constant for its kernel (with_rows, which the packed
+// tile kernels' passes use too, cpu_gemv_tiles.h).
 #pragma once
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace specdec_cpu_passes {
 
-// f(std::integral_constant<int, R>{}) for R = n, 1 <= n <= 16 (anything else: R = 1).
-template <typename F>
+// f(std::integral_constant<int, R>{}) for R = n, 1 <= n <= Max (anything else: R = 1); Max <= 16. The packed
+// tile kernels (cpu_gemv_tiles.h) take passes of at most 6 rows: Max = 6.
+template <int Max = 16, typename F>
 inline void with_rows(int64_t n, F&& f) {
-  switch (n) {
-#define SPECDEC_ROWS_CASE(R) \
-  case R: f(std::integral_constant<int, R>{}); break;
-    SPECDEC_ROWS_CASE(16) SPECDEC_ROWS_CASE(15) SPECDEC_ROWS_CASE(14) SPECDEC_ROWS_CASE(13)
-    SPECDEC_ROWS_CASE(12) SPECDEC_ROWS_CASE(11) SPECDEC_ROWS_CASE(10) SPECDEC_ROWS_CASE(9)
-    SPECDEC_ROWS_CASE(8) SPECDEC_ROWS_CASE(7) SPECDEC_ROWS_CASE(6) SPECDEC_ROWS_CASE(5)
-    SPECDEC_ROWS_CASE(4) SPECDEC_ROWS_CASE(3) SPECDEC_ROWS_CASE(2)
-#undef SPECDEC_ROWS_CASE
-    default: f(std::integral_constant<int, 1>{}); break;
+  if constexpr (Max > 1) {
+    if (n == Max) {
+      f(std::integral_constant<int, Max>{});
+      return;
+    }
+    with_rows<Max - 1>(n, std::forward<F>(f));
+  } else {
+    f(std::integral_constant<int, 1>{});
   }
 }
 

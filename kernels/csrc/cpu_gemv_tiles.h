@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cpu_gemv_passes.h"
+
 namespace specdec_cpu_tiles {
 
 constexpr int64_t kTileN = 16;  // outputs per weight tile
@@ -61,18 +63,10 @@ inline void for_half_groups(int64_t G, F&& f) {
 // take both as compile-time constants (their accumulators, MR x NT vectors, stay in registers).
 template <typename F>
 inline void with_pass_shape(int64_t rows, int64_t tiles, F&& f) {
-  auto call = [&](auto mr) {
+  specdec_cpu_passes::with_rows<6>(rows, [&](auto mr) {
     if (tiles == 4) f(mr, std::integral_constant<int, 4>{});
     else f(mr, std::integral_constant<int, 2>{});
-  };
-  switch (rows) {
-    case 6: call(std::integral_constant<int, 6>{}); break;
-    case 5: call(std::integral_constant<int, 5>{}); break;
-    case 4: call(std::integral_constant<int, 4>{}); break;
-    case 3: call(std::integral_constant<int, 3>{}); break;
-    case 2: call(std::integral_constant<int, 2>{}); break;
-    default: call(std::integral_constant<int, 1>{}); break;
-  }
+  });
 }
 
 // The passes of an [M, K] x [N, K]^T product on a packed weight (the packed kernels' loop): threads take

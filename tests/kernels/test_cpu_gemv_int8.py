@@ -126,6 +126,13 @@ def test_packed_quantized_linear_takes_the_tile_kernel(dtype):
     got = layer(x)
     assert torch.equal(got, gemv_int8(x, layer.qweight, layer.scales, layer.bias, packed))
     _assert_within_bound(got, x, layer.qweight, layer.scales, layer.bias)
+    # the products read the tile copy: a copy of other codes (negated) gives their product, not the layer's
+    other = cpu_gemv_int8.pack_tiles(-layer.qweight)
+    layer.set_tile_codes(other)
+    negated = layer(x)
+    assert torch.equal(negated, gemv_int8(x, -layer.qweight, layer.scales, layer.bias, other))
+    assert not torch.allclose(negated, got)
+    layer.set_tile_codes(packed)
     layer.qweight = -layer.qweight  # codes replaced: their old tile copy is no longer used
     assert layer.tile_codes() is None
     assert torch.equal(layer(x), gemv_int8(x, layer.qweight, layer.scales, layer.bias))
