@@ -377,6 +377,38 @@ def test_goodput_probes_a_batch_together_where_one_probe_alone_cannot_pay():
     assert [alone.decide(_inputs([None], batch_size=8, out=n))[0] for n in range(10)] == [0] * 10
 
 
+def test_goodput_decides_a_large_batch_that_cannot_draft_in_linear_time(monkeypatch):
+    # 32 requests, all due for a probe, on a step whose every token costs a plain step's share: no
+    # probe pays. Probes alike in depth, hoped tokens and charge are scored once, so a decision takes a
+    # few step scores, not one per request (the policy's Python sat on every step of a busy engine).
+    steep = {"step_s": [[1, 0.010], [64, 0.64]], "frozen": True, "explore_every": 8}
+    policy = build_policy("goodput", PolicyContext(4), steep)
+    assert policy.decide(_inputs([None] * 32, out=0)) == [0] * 32
+    calls = []
+    score = policy._rate
+    monkeypatch.setattr(policy, "_rate", lambda *a, **k: calls.append(a) or score(*a, **k))
+    assert policy.decide(_inputs([None] * 32, out=8)) == [0] * 32
+    assert len(calls) <= 8  # plain, k = 1..4, the step so far, all probes together, one probe
+    # Where one probe pays, every equal one is still scored and granted (a 16-token step costs one).
+    flat = {"step_s": [[1, 0.010], [64, 0.010], [128, 1.0]], "frozen": True, "explore_every": 8}
+    cheap = build_policy("goodput", PolicyContext(4), {**flat, "prior_acceptance": 0.0})
+    hopeless = _stats([0, 0, 0, 0], [100, 100, 100, 100])
+    assert cheap.decide(_inputs([hopeless] * 4, out=0)) == [0] * 4
+    assert cheap.decide(_inputs([hopeless] * 4, out=8)) == [1] * 4
+
+
+def test_cost_model_follows_a_replaced_or_grown_base_curve():
+    from specdec.policies.cost_model import StepCostModel
+
+    model = StepCostModel(step_s={1: 0.01, 9: 0.03})
+    assert model.base_s(5) == pytest.approx(0.02)
+    model.step_s[5] = 0.05  # grown in place
+    assert model.base_s(5) == pytest.approx(0.05) and model.base_s(7) == pytest.approx(0.04)
+    model.step_s = {1: 0.02, 3: 0.04}  # replaced
+    assert model.base_s(2) == pytest.approx(0.03)
+    assert model.base_s(5) == pytest.approx(0.04 / (1 + 2 / 64) * (1 + 4 / 64))  # the prior slope past 3
+
+
 def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
     # Each token costs a quarter of a step; the request's history says 90 % acceptance, but the drafts
     # granted on it are never accepted (the winner's curse, exaggerated): settled against its spec_stats,

@@ -36,6 +36,7 @@ history alone, so seeded runs repeat exactly (the deterministic mode of the adap
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,20 +109,26 @@ class StepCostModel:
         self._drift = [1.0, 1.0]
         self._num_observed = [0, 0]
 
+    def _known_counts(self) -> list[int]:
+        """The base curve's token counts, ascending (sorted again when ``step_s`` was replaced or grew)."""
+        cached = self.__dict__.get("_known")
+        if cached is None or cached[0] is not self.step_s or len(cached[1]) != len(self.step_s):
+            cached = self._known = (self.step_s, sorted(self.step_s))
+        return cached[1]
+
     def base_s(self, num_tokens: int) -> float:
         """The base curve at ``num_tokens`` (before the observed correction)."""
-        known = sorted(self.step_s)
+        known = self._known_counts()
         if not known:
             return 1 + self.prior_slope * (num_tokens - 1)
-        lo = [n for n in known if n <= num_tokens]
-        hi = [n for n in known if n >= num_tokens]
-        if lo and hi:
-            a, b = lo[-1], hi[0]
-            if a == b:
-                return self.step_s[a]
+        i = bisect.bisect_left(known, num_tokens)  # known[i - 1] < num_tokens <= known[i]
+        if i < len(known) and known[i] == num_tokens:
+            return self.step_s[num_tokens]
+        if 0 < i < len(known):
+            a, b = known[i - 1], known[i]
             w = (num_tokens - a) / (b - a)
             return (1 - w) * self.step_s[a] + w * self.step_s[b]
-        ref = lo[-1] if lo else hi[0]  # extrapolate from the nearest known count with the prior slope
+        ref = known[-1] if i else known[0]  # extrapolate from the nearest known count with the prior slope
         base = self.step_s[ref] / (1 + self.prior_slope * (ref - 1))
         return base * (1 + self.prior_slope * (num_tokens - 1))
 

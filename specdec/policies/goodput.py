@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from typing import Any
 
 from specdec.errors import ConfigError
@@ -222,17 +223,43 @@ class GoodputPolicy(PolicyBase):
         policy that granted it one draft at a time learns whether deeper drafts pay."""
         pop = population if population is not None else self.population()
         stats = x.request.spec_stats
+        if stats is None:
+            return self._acceptance((), (), pop)
+        return self._acceptance(stats.accepted_per_position, stats.drafted_per_position, pop)
+
+    def _acceptance(self, accepted: Sequence[int], drafted: Sequence[int], pop: list[float]) -> list[float]:
+        """:meth:`acceptance` of a request whose steps accepted / drafted position ``j`` are
+        ``accepted[j]`` / ``drafted[j]`` (0 past their end)."""
         out: list[float] = []
         for j in range(self.k):
-            acc = drafted = 0
-            if stats is not None and j < len(stats.accepted_per_position):
-                acc, drafted = stats.accepted_per_position[j], stats.drafted_per_position[j]
+            acc, num = (accepted[j], drafted[j]) if j < len(accepted) else (0, 0)
             if j == 0:
                 prior = pop[0]
             else:
                 prior = out[-1] * (pop[j] / pop[j - 1]) if pop[j - 1] > 0 else 0.0
-            q = self._shrunk(acc, drafted, prior)
+            q = self._shrunk(acc, num, prior)
             out.append(min(q, out[-1]) if out else q)
+        return out
+
+    def _batch_acceptance(self, batch: list[PolicyInput], population: list[float]) -> list[list[float]]:
+        """:meth:`acceptance` of every request of ``batch``, computed once per distinct history (in a
+        large batch that seldom drafts, most requests share theirs)."""
+        seen: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = {}
+        out = []
+        for x in batch:
+            stats = x.request.spec_stats
+            key = (
+                ((), ())
+                if stats is None
+                else (
+                    tuple(stats.accepted_per_position),
+                    tuple(stats.drafted_per_position),
+                )
+            )
+            q = seen.get(key)
+            if q is None:
+                q = seen[key] = self._acceptance(key[0], key[1], population)
+            out.append(q)
         return out
 
     def _rate(
@@ -251,7 +278,7 @@ class GoodputPolicy(PolicyBase):
         tokens gained beyond what that time buys by plain decoding. A prompt chunk makes the step slow,
         so by its own rate any drafts would look cheap (16 requests' drafts from a draft model in their
         prompt's last step cost more per token than decoding)."""
-        rows = sum(d > 0 for d in depths)
+        rows = len(depths) - depths.count(0)  # the drafting requests (depths are >= 0)
         seconds = self.costs.target_s(tokens, prefill) + self.costs.draft_s(max(depths, default=0), rows)
         seconds += extra_s
         return gain / seconds if value is None else gain - value * seconds
@@ -279,7 +306,7 @@ class GoodputPolicy(PolicyBase):
             self._settle(batch)
         scale = self.calibration
         population = self.population()
-        alphas = [self.acceptance(x, population) for x in batch]
+        alphas = self._batch_acceptance(batch, population)
         # gains[r][d]: request r's expected committed tokens with d drafts, its expected accepted tokens
         # scaled by the calibration and capped at d.
         gains = [[1.0] + [1 + min(d, scale * sum(a[:d])) for d in range(1, self.k + 1)] for a in alphas]
@@ -427,21 +454,28 @@ class GoodputPolicy(PolicyBase):
         # All due probes together first: a draft model's forward costs about the same for 1 or 8 rows,
         # so one request's probe may not pay where every request's would (Qwen2.5-Coder 1.5B <- 0.5B at 8
         # requests: no request alone ever probed, and plain decoding ran at 0.81 of static k = 4's speed).
+        current = self._rate(gain, tokens, out, prefill, value, spent)  # the step's score so far
         if len(due) > 1:
             trial, g, t, sp = with_probes(due)
-            if _better(
-                self._rate(g, t, trial, prefill, value, sp),
-                self._rate(gain, tokens, out, prefill, value, spent),
-            ):
-                out, gain, tokens, spent = trial, g, t, sp
+            rate = self._rate(g, t, trial, prefill, value, sp)
+            if _better(rate, current):
+                out, gain, tokens, spent, current = trial, g, t, sp, rate
                 due = []
-        for probe in due:  # else one by one, each where it pays
+        # Else one by one, each where it pays. A probe's score depends on the step so far and on its
+        # depth, hoped tokens and charge alone: one that did not pay rules out its equals until a probe
+        # is granted (in a large batch that cannot draft, every request is due and they are alike).
+        failed: set[tuple[int, float, float]] = set()
+        for probe in due:
+            i, e, c = probe
+            if (out[i], e, c) in failed:
+                continue
             trial, g, t, sp = with_probes([probe])
-            if _better(
-                self._rate(g, t, trial, prefill, value, sp),
-                self._rate(gain, tokens, out, prefill, value, spent),
-            ):
-                out, gain, tokens, spent = trial, g, t, sp
+            rate = self._rate(g, t, trial, prefill, value, sp)
+            if _better(rate, current):
+                out, gain, tokens, spent, current = trial, g, t, sp, rate
+                failed.clear()
+            else:
+                failed.add((out[i], e, c))
         n_out = [x.request.num_output_tokens for x in batch]
         for i, last in enumerate(clocks):
             for j in range(out[i]):
