@@ -37,8 +37,9 @@ def _finish(drafter: SuffixDrafter, req: Request) -> None:
 def test_trie_counts_every_substring_up_to_its_depth():
     trie = SuffixTrie(3)
     trie.insert([1, 2, 1, 2])
-    assert trie.find([1]).count == 2 and trie.find([1, 2]).count == 2 and trie.find([2, 1]).count == 1
-    assert trie.find([1, 2, 1]).count == 1 and trie.find([1, 2, 1, 2]) is None  # deeper than 3
+    count = trie.count
+    assert count[trie.find([1])] == 2 and count[trie.find([1, 2])] == 2 and count[trie.find([2, 1])] == 1
+    assert count[trie.find([1, 2, 1])] == 1 and trie.find([1, 2, 1, 2]) is None  # deeper than 3
     # 1, 2, 12, 21, 121, 212 (substrings of length <= 3)
     assert trie.num_nodes == 6
     trie.remove([1, 2, 1, 2])
@@ -49,13 +50,13 @@ def test_chain_follows_the_most_frequent_continuation_and_tree_ranks_by_path_pro
     trie = SuffixTrie(8)
     trie.insert([5, 1, 2, 5, 1, 2, 5, 1, 3, 5])
     node = trie.find([5])  # 5 is followed by 1, 1, 1; 5 1 by 2, 2, 3
-    chain = draft_from(node, 4, 4, 0.0, False, 1)
+    chain = draft_from(trie, node, 4, 4, 0.0, False, 1)
     assert chain.token_ids == [1, 2, 5, 1] and chain.parents is None
-    tree = draft_from(node, 3, 4, 0.2, True, 1)
+    tree = draft_from(trie, node, 3, 4, 0.2, True, 1)
     assert tree.token_ids == [1, 2, 5, 3] and tree.parents == [-1, 0, 1, 0]
     assert tree.score == pytest.approx(1 + 2 / 3 + 2 / 3 + 1 / 3)
     TokenTree(tuple(tree.token_ids), tuple(tree.parents))  # a valid tree for the verifier
-    assert draft_from(node, 3, 4, 0.5, True, 1).token_ids == [1, 2, 5]  # 3 is below min_prob
+    assert draft_from(trie, node, 3, 4, 0.5, True, 1).token_ids == [1, 2, 5]  # 3 is below min_prob
 
 
 # ------------------------------------------------------------------------------------------ the cache
@@ -92,6 +93,7 @@ def test_cache_stays_within_its_node_budget_and_evicts_least_recently_used(seqs,
         for kept in cache.entries.values():
             fresh.insert(kept)
         assert cache.trie.to_dict() == fresh.to_dict() and cache.num_nodes == fresh.num_nodes
+        _check_node_ids(cache.trie)
         if got is not None:
             order.append(got)
         kept_ids = list(cache.entries)
@@ -104,17 +106,33 @@ def test_cache_stays_within_its_node_budget_and_evicts_least_recently_used(seqs,
             assert list(cache.entries) == before  # refused without evicting anything
 
 
+def _check_node_ids(trie: SuffixTrie) -> None:
+    """Every node id is either reachable from the root (with a count > 0) or free, never both: removed
+    nodes' ids are reused, so a stale one would alias a live node."""
+    reachable: list[int] = []
+    stack = [trie.root]
+    while stack:
+        for child in (trie.children(stack.pop()) or {}).values():
+            reachable.append(child)
+            stack.append(child)
+    assert len(reachable) == len(set(reachable)) == trie.num_nodes
+    assert all(trie.count[n] > 0 for n in reachable) and not set(reachable) & set(trie._free)
+    assert len(trie.count) == 1 + trie.num_nodes + len(trie._free)
+
+
 def _stale_nodes(cache: SuffixCache) -> list[tuple[list[int], int]]:
     """``(path, seq)`` of every node of the cache whose ``seq`` is not a cached sequence containing the
     node's string."""
     bad = []
 
-    def walk(node, path: list[int]) -> None:
-        for t, child in (node.children or {}).items():
-            kept = cache.entries.get(child.seq)
+    trie = cache.trie
+
+    def walk(node: int, path: list[int]) -> None:
+        for t, child in (trie.children(node) or {}).items():
+            kept = cache.entries.get(trie.seq[child])
             p = [*path, t]
             if kept is None or not any(kept[i : i + len(p)] == p for i in range(len(kept))):
-                bad.append((p, child.seq))
+                bad.append((p, trie.seq[child]))
             walk(child, p)
 
     walk(cache.trie.root, [])
@@ -133,12 +151,13 @@ def test_after_evictions_every_node_names_a_live_sequence_through_it(seqs, max_n
         cache.add(seq)
         assert _stale_nodes(cache) == []
         for node, ends in cache._ends.items():  # its records of sequence ends: live nodes and sequences
-            assert node.count > 0 and all(
+            assert cache.trie.count[node] > 0 and all(
                 i in cache.entries for i in ([ends] if isinstance(ends, int) else ends)
             )
     while cache.entries:
         cache.evict()
         assert _stale_nodes(cache) == []
+        _check_node_ids(cache.trie)
     assert not cache._ends and cache.num_nodes == 0
 
 
@@ -148,8 +167,9 @@ def test_drafting_after_an_eviction_touches_a_live_source():
     _finish(d, _request([7, 8, 9, 10, 11], "b"))  # 3 more; every node of a now names b, the latest
     d.cache.touch(0)  # a is used: b is now the least recently used
     _finish(d, _request(list(range(20, 31)), "c"))  # 30 nodes: b is evicted, a fits
-    assert list(d.cache.entries) == [0, 2] and d.cache.trie.find([7, 8]).count == 1
-    assert d.cache.trie.find([7, 8]).seq == 0  # a, not the evicted b
+    shared = d.cache.trie
+    assert list(d.cache.entries) == [0, 2] and shared.count[shared.find([7, 8])] == 1
+    assert shared.seq[shared.find([7, 8])] == 0  # a, not the evicted b
     assert d.draft(_request([1, 7, 8], "q"), 1, 0).token_ids == [9]
     assert list(d.cache.entries) == [2, 0]  # a, the source, was touched
 

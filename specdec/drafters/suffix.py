@@ -39,7 +39,7 @@ from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
 from specdec.drafters.draft_stats import DraftCounts
 from specdec.drafters.registry import register_drafter
-from specdec.drafters.suffix_tree import Draft, SuffixCache, SuffixNode, SuffixTrie, draft_from
+from specdec.drafters.suffix_tree import Draft, SuffixCache, SuffixTrie, draft_from
 from specdec.errors import ConfigError
 from specdec.request import Request, RequestStatus
 
@@ -84,7 +84,7 @@ class _RequestTrie:
     """A request's own trie and the nodes of its context's suffixes (``active[i]``: length ``i``)."""
 
     trie: SuffixTrie
-    active: list[SuffixNode] = field(default_factory=list)
+    active: list[int] = field(default_factory=list)
     num_indexed: int = 0
 
 
@@ -161,21 +161,24 @@ class SuffixDrafter(DrafterBase):
         cap = max(1, min(self.max_tree_nodes, max_tree_nodes)) if self.tree else max_drafts
         best: Draft | None = None
 
-        def consider(length: int, node: SuffixNode, source: int) -> None:
+        def consider(trie: SuffixTrie, length: int, node: int, source: int) -> None:
             nonlocal best
-            d = draft_from(node, max_drafts, self.budget(length, cap), self.min_prob, self.tree, length)
+            budget = self.budget(length, cap)
+            d = draft_from(trie, node, max_drafts, budget, self.min_prob, self.tree, length)
             d.source = source
             if d.token_ids and (best is None or d.score >= best.score):
                 best = d
 
         if self.cache is not None:
-            for length, node in self.cache.trie.matches(request.token_ids, self.max_match):
-                consider(length, node, node.seq)
+            shared = self.cache.trie
+            for length, node in shared.matches(request.token_ids, self.max_match):
+                consider(shared, length, node, shared.seq[node])
+        own = state.trie
         for length in range(1, min(self.max_match, len(state.active) - 1) + 1):
             node = state.active[length]
-            if node.children is None:  # no earlier occurrence continued; nor will a longer suffix
+            if own.kids[node] is None:  # no earlier occurrence continued; nor will a longer suffix
                 break
-            consider(length, node, -1)
+            consider(own, length, node, -1)
         if best is not None:
             if best.source >= 0 and self.cache is not None:
                 self.cache.touch(best.source)

@@ -27,26 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-class SuffixNode:
-    """One trie node: the token path from the root to it occurred ``count`` times.
-
-    Attributes:
-        children: next token -> child (None while a leaf, to save memory).
-        count: occurrences of the node's string in the indexed sequences (truncated at the trie's depth).
-        seq: the latest sequence indexed through this node (the global cache: the id of a cached
-            sequence containing the node's string, for the LRU touch: the latest indexed, or, once that
-            one is evicted, another; a request's own trie: the position where the latest occurrence
-            ends); larger is more recent, which breaks ties between equally frequent continuations.
-    """
-
-    __slots__ = ("children", "count", "seq")
-
-    def __init__(self) -> None:
-        self.children: dict[int, SuffixNode] | None = None
-        self.count = 0
-        self.seq = -1
-
-
 @dataclass
 class Draft:
     """What a trie proposes from one matched node.
@@ -70,36 +50,79 @@ class Draft:
 class SuffixTrie:
     """A trie of every substring of at most ``max_depth`` tokens of its sequences, with counts.
 
+    Nodes are integer ids into three parallel lists (the root is node 0): ``count[node]``, the
+    occurrences of the node's string in the indexed sequences (truncated at the trie's depth);
+    ``seq[node]``, the latest sequence indexed through it (the global cache: the id of a cached sequence
+    containing the node's string, for the LRU touch; a request's own trie: the position where the latest
+    occurrence ends; larger is more recent, which breaks ties between equally frequent continuations);
+    ``kids[node]``, next token -> child id (None for a leaf). No node is a Python object of its own:
+    dicts of integers are not tracked by the cyclic garbage collector, so a trie of millions of nodes
+    adds nothing to the collector's full passes (with one object per node those passes walked every
+    node, and took 80-95 % of suffix decoding's drafting time). Ids of removed nodes are reused.
+
     Args:
         max_depth: the deepest node (longest indexed substring), >= 1.
     """
+
+    root = 0
 
     def __init__(self, max_depth: int) -> None:
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         self.max_depth = max_depth
-        self.root = SuffixNode()
+        self.count: list[int] = [0]
+        self.seq: list[int] = [-1]
+        self.kids: list[dict[int, int] | None] = [None]
+        self._free: list[int] = []
         #: Nodes below the root (the memory bound of :class:`SuffixCache`).
         self.num_nodes = 0
 
-    def start(self) -> list[SuffixNode]:
+    def children(self, node: int) -> dict[int, int] | None:
+        """Next token -> child of ``node`` (None for a leaf)."""
+        return self.kids[node]
+
+    def _new_node(self) -> int:
+        self.num_nodes += 1
+        if self._free:
+            node = self._free.pop()
+            self.count[node], self.seq[node], self.kids[node] = 0, -1, None
+            return node
+        self.count.append(0)
+        self.seq.append(-1)
+        self.kids.append(None)
+        return len(self.count) - 1
+
+    def _delete_child(self, node: int, token: int) -> int:
+        """Detach ``node``'s child for ``token`` (whose count reached 0) and free its id. Its own children
+        stay until the removal walking through it deletes them (their counts reach 0 too: a string
+        occurs no more often than its prefix), so the id is reused only after the removal."""
+        children = self.kids[node]
+        assert children is not None
+        child = children.pop(token)
+        if not children:
+            self.kids[node] = None
+        self._free.append(child)
+        self.num_nodes -= 1
+        return child
+
+    def start(self) -> list[int]:
         """The active nodes of an empty sequence (for :meth:`extend`)."""
         return [self.root]
 
-    def extend(self, active: list[SuffixNode], token: int, seq: int = -1) -> list[SuffixNode]:
+    def extend(self, active: list[int], token: int, seq: int = -1) -> list[int]:
         """Index one more token of a sequence: ``active[i]`` is the node of the sequence's suffix of
         length ``i`` (``active[0]`` the root); returns the new active list. ``O(max_depth)``."""
+        kids, count, seqs = self.kids, self.count, self.seq
         new = [self.root]
         for node in active:
-            children = node.children
+            children = kids[node]
             if children is None:
-                children = node.children = {}
+                children = kids[node] = {}
             child = children.get(token)
             if child is None:
-                child = children[token] = SuffixNode()
-                self.num_nodes += 1
-            child.count += 1
-            child.seq = seq
+                child = children[token] = self._new_node()
+            count[child] += 1
+            seqs[child] = seq
             if len(new) < self.max_depth:
                 new.append(child)
         return new
@@ -113,39 +136,38 @@ class SuffixTrie:
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo :meth:`insert` of ``tokens`` (which must have been inserted): counts drop, nodes reaching
         0 are deleted."""
-        active: list[SuffixNode] = [self.root]
+        active = self.start()
         for t in tokens:
+            t = int(t)
             new = [self.root]
             for node in active:
-                children = node.children
+                children = self.kids[node]
                 assert children is not None, "removing a sequence that was not inserted"
-                child = children[int(t)]
-                child.count -= 1
-                if child.count == 0:
-                    del children[int(t)]
-                    if not children:
-                        node.children = None
-                    self.num_nodes -= 1
+                child = children[t]
+                self.count[child] -= 1
+                if self.count[child] == 0:
+                    self._delete_child(node, t)
                 if len(new) < self.max_depth:
                     new.append(child)
             active = new
 
-    def find(self, pattern: Sequence[int]) -> SuffixNode | None:
+    def find(self, pattern: Sequence[int]) -> int | None:
         """The node of ``pattern`` (None if it never occurred, or is longer than ``max_depth``)."""
-        node: SuffixNode | None = self.root
+        node: int | None = self.root
         for t in pattern:
-            if node is None or node.children is None:
+            children = self.kids[node] if node is not None else None
+            if children is None:
                 return None
-            node = node.children.get(int(t))
+            node = children.get(int(t))
         return node
 
-    def matches(self, context: Sequence[int], max_match: int) -> list[tuple[int, SuffixNode]]:
+    def matches(self, context: Sequence[int], max_match: int) -> list[tuple[int, int]]:
         """``(length, node)`` of each suffix of ``context`` (1 .. ``max_match`` tokens) found in the trie,
         shortest first (every substring of an indexed sequence is indexed, so they are consecutive)."""
         out = []
         for length in range(1, min(max_match, len(context), self.max_depth) + 1):
             node = self.find(context[len(context) - length :])
-            if node is None or node.children is None:
+            if node is None or self.kids[node] is None:
                 break
             out.append((length, node))
         return out
@@ -153,14 +175,20 @@ class SuffixTrie:
     def to_dict(self) -> dict:
         """The trie as nested ``{token: (count, children)}`` (tests compare tries built differently)."""
 
-        def walk(node: SuffixNode) -> dict:
-            return {t: (c.count, walk(c)) for t, c in sorted((node.children or {}).items())}
+        def walk(node: int) -> dict:
+            return {t: (self.count[c], walk(c)) for t, c in sorted((self.kids[node] or {}).items())}
 
         return walk(self.root)
 
 
 def draft_from(
-    node: SuffixNode, max_depth: int, budget: int, min_prob: float, tree: bool, match_length: int
+    trie: SuffixTrie,
+    node: int,
+    max_depth: int,
+    budget: int,
+    min_prob: float,
+    tree: bool,
+    match_length: int,
 ) -> Draft:
     """The draft below ``node`` (the matched suffix), children ranked by frequency.
 
@@ -168,10 +196,11 @@ def draft_from(
     continuation distribution); a node's path probability is the product along its path. A chain follows
     the most frequent child; a tree keeps the ``budget`` nodes of highest path probability (best-first,
     so every kept node's parent is kept), as EAGLE-2 reranks its dynamic tree; ties go to the most
-    recent continuation (``SuffixNode.seq``). Nodes whose path probability falls below ``min_prob`` are
+    recent continuation (``SuffixTrie.seq``). Nodes whose path probability falls below ``min_prob`` are
     not drafted.
 
     Args:
+        trie: the trie ``node`` is in.
         node: the matched node; its subtree holds the continuations.
         max_depth: deepest draft (a chain's length).
         budget: most draft tokens (a tree's nodes).
@@ -185,21 +214,22 @@ def draft_from(
     limit = budget if tree else min(max_depth, budget)
     order = itertools.count()
     # (-path probability, -recency, tiebreak, token, parent node index, depth, node)
-    heap: list[tuple[float, int, int, int, int, int, SuffixNode]] = []
+    heap: list[tuple[float, int, int, int, int, int, int]] = []
+    count, seqs = trie.count, trie.seq
 
-    def push(below: SuffixNode, prob: float, parent: int, depth: int) -> None:
-        children = below.children
+    def push(below: int, prob: float, parent: int, depth: int) -> None:
+        children = trie.kids[below]
         if not children or depth > max_depth:
             return
-        total = sum(c.count for c in children.values())
+        total = sum(count[c] for c in children.values())
         if tree:
             candidates = children.items()
         else:  # the most frequent child (ties: the most recent)
-            candidates = [max(children.items(), key=lambda item: (item[1].count, item[1].seq))]
+            candidates = [max(children.items(), key=lambda item: (count[item[1]], seqs[item[1]]))]
         for token, child in candidates:
-            p = prob * child.count / total
+            p = prob * count[child] / total
             if p >= min_prob and p > 0:
-                heapq.heappush(heap, (-p, -child.seq, next(order), token, parent, depth, child))
+                heapq.heappush(heap, (-p, -seqs[child], next(order), token, parent, depth, child))
 
     if limit > 0:
         push(node, 1.0, -1, 1)
@@ -256,7 +286,7 @@ class SuffixCache:
         self.num_evicted = 0
         # Per node of a maximal occurrence, the cached sequences with one there (one id, or a dict of ids
         # in insertion order: the last is the latest).
-        self._ends: dict[SuffixNode, int | dict[int, None]] = {}
+        self._ends: dict[int, int | dict[int, None]] = {}
 
     @property
     def num_nodes(self) -> int:
@@ -294,11 +324,11 @@ class SuffixCache:
             deepest = active[-1] if len(active) == trie.max_depth else None
             active = trie.extend(active, t, seq)
             if deepest is not None:  # its child: a substring of max_depth tokens
-                self._add_end(deepest.children[t], seq)  # type: ignore[index]
+                self._add_end(trie.kids[deepest][t], seq)  # type: ignore[index]
         for node in active[1:]:  # the sequence's suffixes shorter than max_depth
             self._add_end(node, seq)
 
-    def _add_end(self, node: SuffixNode, seq: int) -> None:
+    def _add_end(self, node: int, seq: int) -> None:
         ends = self._ends.get(node)
         if ends is None:
             self._ends[node] = seq
@@ -308,7 +338,7 @@ class SuffixCache:
         else:
             ends[seq] = None
 
-    def _drop_end(self, node: SuffixNode, seq: int) -> None:
+    def _drop_end(self, node: int, seq: int) -> None:
         ends = self._ends.get(node)
         if isinstance(ends, dict):
             ends.pop(seq, None)
@@ -317,13 +347,14 @@ class SuffixCache:
         elif ends == seq:
             del self._ends[node]
 
-    def _live_seq(self, node: SuffixNode) -> int:
+    def _live_seq(self, node: int) -> int:
         """A cached sequence through ``node`` (whose children already name cached sequences): the latest
         one it ends, or its latest child's, whichever is later."""
         ends = self._ends.get(node)
         best = -1 if ends is None else ends if isinstance(ends, int) else next(reversed(ends))
-        if node.children:
-            best = max(best, next(reversed(node.children.values())).seq)
+        children = self.trie.kids[node]
+        if children:
+            best = max(best, self.trie.seq[next(reversed(children.values()))])
         return best
 
     def touch(self, seq: int) -> None:
@@ -337,22 +368,21 @@ class SuffixCache:
         seq, tokens = self.entries.popitem(last=False)
         trie = self.trie
         depth = trie.max_depth
-        named: list[dict[int, SuffixNode]] = [{} for _ in range(depth + 1)]  # by depth
-        active: list[SuffixNode] = [trie.root]
+        named: list[dict[int, None]] = [{} for _ in range(depth + 1)]  # by depth, in order
+        active = trie.start()
+        count, seqs, kids = trie.count, trie.seq, trie.kids
         for t in tokens:  # SuffixTrie.remove, noting the nodes that name seq and its maximal occurrences
             new = [trie.root]
             for d, node in enumerate(active, 1):
-                children = node.children
+                children = kids[node]
                 assert children is not None, "removing a sequence that was not inserted"
                 child = children[t]
-                child.count -= 1
-                if child.count == 0:
-                    del children[t]
-                    if not children:
-                        node.children = None
-                    trie.num_nodes -= 1
-                elif child.seq == seq:
-                    named[d][id(child)] = child
+                count[child] -= 1
+                if count[child] == 0:
+                    trie._delete_child(node, t)
+                    self._ends.pop(child, None)  # no sequence passes through it: its id may be reused
+                elif seqs[child] == seq:
+                    named[d][child] = None
                 if d < depth:
                     new.append(child)
                 else:
@@ -361,7 +391,7 @@ class SuffixCache:
         for node in active[1:]:
             self._drop_end(node, seq)
         for d in range(depth, 0, -1):  # deepest first: a node's children name cached sequences by then
-            for node in named[d].values():
-                if node.count > 0:
-                    node.seq = self._live_seq(node)
+            for node in named[d]:
+                if count[node] > 0:
+                    seqs[node] = self._live_seq(node)
         self.num_evicted += 1
