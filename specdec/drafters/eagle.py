@@ -31,6 +31,7 @@ acceptance.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -193,6 +194,23 @@ class EagleDrafter(DrafterBase):
     def reset(self, request: Request) -> None:
         self.states.pop(request.request_id, None)
 
+    def _catch_up_start(self, request: Request) -> int | None:
+        """The first head position the request's next draft computes (the catch-up runs from it to the
+        last committed feature, ``request.num_tokens - 2``), or None when it cannot draft (no features)."""
+        state = self.states.get(request.request_id)
+        last = request.num_tokens - 2
+        if state is None or state.features_end != last + 1:
+            return None
+        return min(max(state.num_computed, state.features_start), last)
+
+    def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
+        """Committed tokens whose head K/V the request's next draft computes first, the last one aside (it
+        rides in the drafting forward): its prompt before its first draft, and the tokens since its last
+        draft where a policy held it back. The head reads them in the same forward as its first draft
+        row, timed as ``catch_up_s`` in proportion (:meth:`propose`)."""
+        start = self._catch_up_start(request)
+        return 0 if start is None else request.num_tokens - 2 - start
+
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Nothing to roll back: speculative head K/V is overwritten by the next catch-up."""
 
@@ -234,18 +252,18 @@ class EagleDrafter(DrafterBase):
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
         proposals = [DraftProposal([]) for _ in batch]
+        self.catch_up_s, self.catch_up_tokens = 0.0, 0
         # 1. Catch up on head positions [num_computed, L - 1) of drafting requests.
         drafting: list[int] = []
         segments: list[Segment] = []
         feats: list[torch.Tensor] = []
         for i, x in enumerate(batch):
-            req, state = x.request, self.states.get(x.request.request_id)
-            if x.max_drafts <= 0 or state is None:
-                continue
+            req = x.request
+            start = self._catch_up_start(req) if x.max_drafts > 0 else None
+            if start is None:
+                continue  # not drafting, or features missing (a request in prefill): no drafts this step
+            state = self.states[req.request_id]
             last = req.num_tokens - 2  # last position with a known target feature
-            if state.features_end != last + 1:
-                continue  # features missing (should not happen): no drafts this step
-            start = min(max(state.num_computed, state.features_start), last)
             segments.append(Segment(req.block_ids, start, req.token_ids[start + 1 : last + 2], 1))
             feats.append(state.feature_rows(start, last + 1))
             state.num_computed = last + 1
@@ -253,7 +271,12 @@ class EagleDrafter(DrafterBase):
             drafting.append(i)
         if not drafting:
             return proposals
+        rows = sum(len(seg.token_ids) for seg in segments)
+        t0 = time.perf_counter()
         root_features = self._run(segments, torch.cat(feats))  # [B, H]: predicts f_{L-1}
+        if rows > len(segments):  # a catch-up rode in this forward: its share of the time (the policy's)
+            self.catch_up_tokens = rows - len(segments)
+            self.catch_up_s = (time.perf_counter() - t0) * self.catch_up_tokens / rows
         if self.config.tree == "dynamic":
             for row, i in enumerate(drafting):
                 proposals[i] = self._tree(batch[i], root_features[row])

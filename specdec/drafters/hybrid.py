@@ -245,6 +245,25 @@ class HybridDrafter(DrafterBase):
         self.oracle_steps = 0
         self.oracle_accepted = 0
 
+    @property
+    def catch_up_s(self) -> float:  # type: ignore[override]
+        """The learned member's catch-up seconds in the latest :meth:`propose` (model-free members
+        index as they go: none)."""
+        return (
+            0.0 if self._learned is None else float(getattr(self.members[self._learned], "catch_up_s", 0.0))
+        )
+
+    @property
+    def catch_up_tokens(self) -> int:  # type: ignore[override]
+        return 0 if self._learned is None else int(getattr(self.members[self._learned], "catch_up_tokens", 0))
+
+    def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
+        """The learned member's backlog for ``request`` (what its head reads before its next draft), or 0."""
+        if self._learned is None:
+            return 0
+        backlog = getattr(self.members[self._learned], "draft_backlog", None)
+        return 0 if backlog is None else int(backlog(request, num_new_tokens))
+
     def _state(self, request: Request) -> _HybridState:
         state = self.states.get(request.request_id)
         if state is None:
