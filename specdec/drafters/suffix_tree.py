@@ -81,17 +81,6 @@ class SuffixTrie:
         """Next token -> child of ``node`` (None for a leaf)."""
         return self.kids[node]
 
-    def _new_node(self) -> int:
-        self.num_nodes += 1
-        if self._free:
-            node = self._free.pop()
-            self.count[node], self.seq[node], self.kids[node] = 0, -1, None
-            return node
-        self.count.append(0)
-        self.seq.append(-1)
-        self.kids.append(None)
-        return len(self.count) - 1
-
     def _delete_child(self, node: int, token: int) -> int:
         """Detach ``node``'s child for ``token`` (whose count reached 0) and free its id. Its own children
         stay until the removal walking through it deletes them (their counts reach 0 too: a string
@@ -112,15 +101,24 @@ class SuffixTrie:
     def extend(self, active: list[int], token: int, seq: int = -1) -> list[int]:
         """Index one more token of a sequence: ``active[i]`` is the node of the sequence's suffix of
         length ``i`` (``active[0]`` the root); returns the new active list. ``O(max_depth)``."""
-        kids, count, seqs = self.kids, self.count, self.seq
+        kids, count, seqs, free = self.kids, self.count, self.seq, self._free
         new = [self.root]
         for node in active:
             children = kids[node]
             if children is None:
                 children = kids[node] = {}
             child = children.get(token)
-            if child is None:
-                child = children[token] = self._new_node()
+            if child is None:  # a new node (inline: this loop is the trie's hot path)
+                if free:
+                    child = free.pop()
+                    count[child], seqs[child], kids[child] = 0, -1, None
+                else:
+                    child = len(count)
+                    count.append(0)
+                    seqs.append(-1)
+                    kids.append(None)
+                children[token] = child
+                self.num_nodes += 1
             count[child] += 1
             seqs[child] = seq
             if len(new) < self.max_depth:
