@@ -122,9 +122,10 @@ class Drafter(Protocol):
     Subclass :class:`DrafterBase` for no-op defaults of everything but :meth:`propose`.
 
     Optional, read by the engine where present (:class:`DrafterBase` has the defaults): a drafter that
-    reads the committed tokens lazily (a draft model) tells the speculation policy its per-request
-    ``draft_backlog(request, num_new_tokens) -> int`` and reports, after each :meth:`propose`, the
-    seconds and tokens of its catch-up forwards in ``catch_up_s`` / ``catch_up_tokens``; a drafter that
+    reads the committed tokens lazily (a draft model, an EAGLE head) tells the speculation policy its
+    per-request ``draft_backlog(request, num_new_tokens) -> int`` and reports, after each
+    :meth:`propose`, the seconds and tokens of its catch-up forwards (or their share of a forward) in
+    ``catch_up_s`` / ``catch_up_tokens``; a drafter that
     reads and writes the target's own KV tensors (the quantized self-drafter) takes them in
     ``bind_target_kv(runner)``, called once after :meth:`bind_kv`, when the target's runner exists.
     """
