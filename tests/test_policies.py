@@ -389,12 +389,18 @@ def test_goodput_decides_a_large_batch_that_cannot_draft_in_linear_time(monkeypa
     monkeypatch.setattr(policy, "_rate", lambda *a, **k: calls.append(a) or score(*a, **k))
     assert policy.decide(_inputs([None] * 32, out=8)) == [0] * 32
     assert len(calls) <= 8  # plain, k = 1..4, the step so far, all probes together, one probe
-    # Where one probe pays, every equal one is still scored and granted (a 16-token step costs one).
-    flat = {"step_s": [[1, 0.010], [64, 0.010], [128, 1.0]], "frozen": True, "explore_every": 8}
-    cheap = build_policy("goodput", PolicyContext(4), {**flat, "prior_acceptance": 0.0})
+    # Probes scored one by one: a granted probe makes the next equal one worth scoring again. Steps cost
+    # the same up to 6 tokens, then 100x: of 4 requests' equal probes (hoping for 1 token each) the first
+    # two pay, the third does not, and the fourth, its equal, is not scored; all four together do not pay.
+    knee = {"step_s": [[1, 0.010], [6, 0.010], [7, 1.0]], "frozen": True, "explore_every": 8}
+    policy = build_policy("goodput", PolicyContext(4), {**knee, "prior_acceptance": 0.0})
     hopeless = _stats([0, 0, 0, 0], [100, 100, 100, 100])
-    assert cheap.decide(_inputs([hopeless] * 4, out=0)) == [0] * 4
-    assert cheap.decide(_inputs([hopeless] * 4, out=8)) == [1] * 4
+    assert policy.decide(_inputs([hopeless] * 4, out=0)) == [0] * 4
+    calls.clear()
+    score = policy._rate
+    monkeypatch.setattr(policy, "_rate", lambda *a, **k: calls.append(a) or score(*a, **k))
+    assert policy.decide(_inputs([hopeless] * 4, out=8)) == [1, 1, 0, 0]
+    assert len(calls) == 1 + 4 + 1 + 1 + 3  # plain, k = 1..4, the step so far, all together, 3 probes
 
 
 def test_cost_model_follows_a_replaced_or_grown_base_curve():

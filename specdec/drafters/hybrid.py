@@ -246,22 +246,23 @@ class HybridDrafter(DrafterBase):
         self.oracle_accepted = 0
 
     @property
+    def _head(self) -> Drafter | None:
+        """The learned member, or None."""
+        return None if self._learned is None else self.members[self._learned]
+
+    @property
     def catch_up_s(self) -> float:  # type: ignore[override]
         """The learned member's catch-up seconds in the latest :meth:`propose` (model-free members
         index as they go: none)."""
-        return (
-            0.0 if self._learned is None else float(getattr(self.members[self._learned], "catch_up_s", 0.0))
-        )
+        return float(getattr(self._head, "catch_up_s", 0.0))
 
     @property
     def catch_up_tokens(self) -> int:  # type: ignore[override]
-        return 0 if self._learned is None else int(getattr(self.members[self._learned], "catch_up_tokens", 0))
+        return int(getattr(self._head, "catch_up_tokens", 0))
 
     def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
         """The learned member's backlog for ``request`` (what its head reads before its next draft), or 0."""
-        if self._learned is None:
-            return 0
-        backlog = getattr(self.members[self._learned], "draft_backlog", None)
+        backlog = getattr(self._head, "draft_backlog", None)
         return 0 if backlog is None else int(backlog(request, num_new_tokens))
 
     def _state(self, request: Request) -> _HybridState:

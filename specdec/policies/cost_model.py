@@ -81,6 +81,7 @@ class StepCostModel:
                 raise ConfigError(f"step_s entries must be num_tokens >= 1: seconds > 0, got {n!r}: {s!r}")
             clean[n] = float(s)
         self.step_s = clean
+        self._known: tuple[dict[int, float] | None, list[int]] = (None, [])  # (the curve, its counts)
         self._forget_corrections()
         self._draft_given = self.draft_s_per_position != 0  # a prior to correct, not an unknown
         self._draft_buckets: dict[int, float] = {}  # drafting seconds per position, by drafting rows
@@ -111,10 +112,10 @@ class StepCostModel:
 
     def _known_counts(self) -> list[int]:
         """The base curve's token counts, ascending (sorted again when ``step_s`` was replaced or grew)."""
-        cached = self.__dict__.get("_known")
-        if cached is None or cached[0] is not self.step_s or len(cached[1]) != len(self.step_s):
-            cached = self._known = (self.step_s, sorted(self.step_s))
-        return cached[1]
+        curve, counts = self._known
+        if curve is not self.step_s or len(counts) != len(self.step_s):
+            self._known = (self.step_s, sorted(self.step_s))
+        return self._known[1]
 
     def base_s(self, num_tokens: int) -> float:
         """The base curve at ``num_tokens`` (before the observed correction)."""
