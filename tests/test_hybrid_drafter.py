@@ -267,3 +267,36 @@ def test_a_skipped_head_drafts_again_after_max_skips():
         hybrid.on_verified(req, 2, 0)
     assert head.asked == [2, 0, 0, 0, 2, 0, 0, 0, 2]
     assert confidence_bucket(DraftProposal([1], first_draft_prob=float("nan"))) == ("prob", 0)
+
+
+class _LazyHead(_FixedHead):
+    """A learned member with a fixed backlog (5 tokens) and catch-up report (0.25 s over 5 tokens)."""
+
+    def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
+        return 5
+
+    def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
+        self.catch_up_s, self.catch_up_tokens = 0.25, 5
+        return [DraftProposal([]) for _ in batch]
+
+
+def test_the_backlog_is_the_longest_members_and_catch_up_seconds_add_up():
+    """Members that read committed tokens lazily (a learned head, suffix decoding's trie) read the same
+    backlog before a request's next draft: the hybrid tells the policy the longest member backlog, and
+    reports their catch-up seconds summed over the most tokens a member caught up on."""
+    register_drafter("test_lazy_head")(_LazyHead)
+    try:
+        config = SpeculativeConfig("hybrid", 3, hybrid_members=["test_lazy_head", "suffix"])
+        hybrid = HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
+    finally:
+        unregister_drafter("test_lazy_head")
+    suffix = hybrid.members[1]
+    short = Request("short", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), 0)
+    long = Request("long", list(range(30)) * 2, SamplingParams(temperature=0, max_tokens=8), 0)
+    assert hybrid.draft_backlog(short, 3) == 5  # the head's; the suffix trie's is 2
+    assert hybrid.draft_backlog(long, 60) == 59  # the suffix trie's: the whole prompt but its last token
+    hybrid.propose([DraftInput(long, 60, 3, 0)])
+    assert suffix.catch_up_tokens == 59 and suffix.catch_up_s > 0
+    assert hybrid.catch_up_tokens == 59 and hybrid.catch_up_s == pytest.approx(0.25 + suffix.catch_up_s)
+    long.num_computed_tokens = 60
+    assert hybrid.draft_backlog(long, 1) == 5  # the suffix trie keeps up now

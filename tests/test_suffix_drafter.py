@@ -201,16 +201,28 @@ def test_drafts_from_the_request_itself_incrementally():
     assert d.draft(req, 0, 0) is None
 
 
-def test_prompt_chunks_are_indexed_as_they_are_computed():
+def test_a_request_is_indexed_only_when_it_drafts_and_reports_its_backlog():
     from specdec.drafters.base import DraftInput
 
     d = _drafter()
     req = _request(list(range(50)) * 2)
-    assert d.propose([DraftInput(req, 40, 0, 0)]) == [DraftProposal([])]  # first chunk: no drafts
-    assert d.states.peek(req).num_indexed == 40
+    assert d.draft_backlog(req, 40) == 39  # a first draft after the first chunk would index 39 + 1
+    assert d.propose([DraftInput(req, 40, 0, 0)]) == [DraftProposal([])]  # a prompt chunk: no drafts
+    assert d.states.peek(req) is None and (d.catch_up_s, d.catch_up_tokens) == (0.0, 0)  # not indexed
     req.num_computed_tokens = 40
-    (proposal,) = d.propose([DraftInput(req, 60, 4, 0)])  # last chunk: indexes the rest, drafts
+    assert d.draft_backlog(req, 60) == 99
+    (proposal,) = d.propose([DraftInput(req, 60, 4, 0)])  # last chunk: indexes everything, drafts
     assert d.states.peek(req).num_indexed == 100 and proposal.token_ids == [0, 1, 2, 3]
+    assert d.catch_up_tokens == 99 and d.catch_up_s > 0
+    req.num_computed_tokens = 100
+    req.token_ids.append(0)
+    assert d.draft_backlog(req, 1) == 0  # drafting every step: one token a step, no backlog
+    d.propose([DraftInput(req, 1, 4, 0)])
+    assert (d.catch_up_s, d.catch_up_tokens) == (0.0, 0) and d.states.peek(req).num_indexed == 101
+    req.token_ids.extend([1, 2, 3])  # three steps held back by a policy: not indexed
+    req.num_computed_tokens = 103
+    assert d.propose([DraftInput(req, 1, 0, 0)]) == [DraftProposal([])]
+    assert d.states.peek(req).num_indexed == 101 and d.draft_backlog(req, 1) == 2
 
 
 def test_spec_factor_and_tree_budget():

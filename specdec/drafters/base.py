@@ -122,12 +122,12 @@ class Drafter(Protocol):
     Subclass :class:`DrafterBase` for no-op defaults of everything but :meth:`propose`.
 
     Optional, read by the engine where present (:class:`DrafterBase` has the defaults): a drafter that
-    reads the committed tokens lazily (a draft model, an EAGLE head) tells the speculation policy its
-    per-request ``draft_backlog(request, num_new_tokens) -> int`` and reports, after each
-    :meth:`propose`, the seconds and tokens of its catch-up forwards (or their share of a forward) in
-    ``catch_up_s`` / ``catch_up_tokens``; a drafter that
-    reads and writes the target's own KV tensors (the quantized self-drafter) takes them in
-    ``bind_target_kv(runner)``, called once after :meth:`bind_kv`, when the target's runner exists.
+    reads the committed tokens lazily (a draft model, an EAGLE head, suffix decoding's trie) tells the
+    speculation policy its per-request ``draft_backlog(request, num_new_tokens) -> int`` and reports,
+    after each :meth:`propose`, the seconds and tokens of its catch-up (forwards, their share of a
+    forward, or indexing) in ``catch_up_s`` / ``catch_up_tokens``; a drafter that reads and writes
+    the target's own KV tensors (the quantized self-drafter) takes them in ``bind_target_kv(runner)``,
+    called once after :meth:`bind_kv`, when the target's runner exists.
     """
 
     uses_hidden_states: bool
@@ -180,7 +180,7 @@ class DrafterBase:
     def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
         """Tokens the drafter would read before drafting for ``request`` this step, beyond the last one
         (``num_new_tokens``: the step's new tokens of the request, a prompt chunk or 1): 0 for a drafter
-        that keeps up every step (n-gram, suffix, heads fed every step's features)."""
+        that keeps up every step (n-gram, Medusa heads)."""
         return 0
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:

@@ -246,24 +246,23 @@ class HybridDrafter(DrafterBase):
         self.oracle_accepted = 0
 
     @property
-    def _head(self) -> Drafter | None:
-        """The learned member, or None."""
-        return None if self._learned is None else self.members[self._learned]
-
-    @property
     def catch_up_s(self) -> float:  # type: ignore[override]
-        """The learned member's catch-up seconds in the latest :meth:`propose` (model-free members
-        index as they go: none)."""
-        return float(getattr(self._head, "catch_up_s", 0.0))
+        """The members' catch-up seconds in the latest :meth:`propose`, summed (the learned member's head
+        forwards and suffix decoding's indexing read the same backlog)."""
+        return sum(float(getattr(m, "catch_up_s", 0.0)) for m in self.members)
 
     @property
     def catch_up_tokens(self) -> int:  # type: ignore[override]
-        return int(getattr(self._head, "catch_up_tokens", 0))
+        """The most tokens a member caught up on in the latest :meth:`propose` (their spans overlap)."""
+        return max(int(getattr(m, "catch_up_tokens", 0)) for m in self.members)
 
     def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
-        """The learned member's backlog for ``request`` (what its head reads before its next draft), or 0."""
-        backlog = getattr(self._head, "draft_backlog", None)
-        return 0 if backlog is None else int(backlog(request, num_new_tokens))
+        """The longest member backlog for ``request`` (what its next draft reads first: the learned
+        member's head, suffix decoding's trie), or 0."""
+        return max(
+            int(m.draft_backlog(request, num_new_tokens)) if hasattr(m, "draft_backlog") else 0
+            for m in self.members
+        )
 
     def _state(self, request: Request) -> _HybridState:
         state = self.states.get(request.request_id)
