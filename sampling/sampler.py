@@ -73,6 +73,7 @@ def sample(
     greedy: Sequence[bool],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
+    argmax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row from processed logits (see :func:`sampling.processors.process_logits`).
 
@@ -81,6 +82,8 @@ def sample(
         greedy: per row, take the argmax instead of drawing.
         generators: per row, the request's generator or None.
         default_generator: for unseeded random rows.
+        argmax: ``[rows]`` int64, the rows' :func:`argmax_rows` when the caller has it already (a
+            reduction it ran anyway); None: computed here.
 
     Returns:
         ``[rows]`` int64 token ids.
@@ -89,7 +92,12 @@ def sample(
     if len(random_rows) == len(greedy):
         probs = torch.softmax(processed_logits, dim=-1)
         return sample_from_probs(probs, generators, default_generator)
-    tokens = argmax_rows(processed_logits)
+    if argmax is None:
+        tokens = argmax_rows(processed_logits)
+    elif random_rows:
+        tokens = argmax.clone()  # written below: the caller's tensor stays as it was
+    else:
+        return argmax
     if not random_rows:
         return tokens
     rows = torch.tensor(random_rows, device=processed_logits.device)

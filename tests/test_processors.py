@@ -286,3 +286,21 @@ def test_argmax_rows_equals_argmax_with_ties_and_nan(rows, vocab, dtype, levels,
         x[0, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert int(argmax_rows(x[-1])) == int(x[-1].argmax())
+
+
+@pytest.mark.parametrize("greedy", [[True, True, True], [True, False, True], [False, False, False]])
+def test_sample_takes_the_callers_argmax_and_leaves_it_unchanged(greedy):
+    """The engine passes the argmax of its finiteness check's max-reduction: the same tokens as when
+    ``sample`` reduces the rows itself (seeded random rows included), and the caller's tensor is not
+    written (random rows' tokens go into a copy)."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    top = x.max(dim=-1).indices
+    given = top.clone()
+
+    def gens():
+        return [torch.Generator().manual_seed(i) for i in range(3)]
+
+    want = sample(x, greedy, gens())
+    got = sample(x, greedy, gens(), argmax=given)
+    assert torch.equal(got, want) and torch.equal(given, top)
+    assert torch.equal(got[torch.tensor(greedy)], top[torch.tensor(greedy)])

@@ -94,11 +94,15 @@ class ProcessedRows:
         sampling: the requests that emit tokens this step (prefill-only and failed ones left out).
         processed: ``[sum_i (1 + m_i), vocab_size]`` float32, each request's rows in order.
         greedy: per row, whether its request is greedy.
+        argmax: ``[sum_i (1 + m_i)]`` int64, each processed row's first maximal index (the indices of
+            the max-reduction that checks the rows are finite, so greedy sampling reads no row again), or
+            None.
     """
 
     sampling: list[ScheduledRequest]
     processed: torch.Tensor
     greedy: list[bool]
+    argmax: torch.Tensor | None = None
 
 
 def process_rows(
@@ -114,7 +118,8 @@ def process_rows(
     are computed here.
 
     One max-reduction over the processed rows finds rows that are not finite: NaN anywhere (NaN
-    propagates through ``amax``), +inf, or every token at -inf (nothing left to sample). Requests whose
+    propagates through ``max``), +inf, or every token at -inf (nothing left to sample); its indices are
+    the rows' argmax (``ProcessedRows.argmax``), which greedy sampling takes. Requests whose
     rows' metadata cannot be built are found request by request (:func:`run_isolated`).
     """
     everyone = [s for s in scheduled if s.sample]
@@ -150,16 +155,23 @@ def process_rows(
         sampling = [s for s, _ in done]
         processed = torch.cat([p for _, (p, _) in done])
         greedy = [g for _, (_, gs) in done for g in gs]
-    if bool(torch.isfinite(processed.amax(dim=-1)).all()):
-        return ProcessedRows(sampling, processed, greedy)
-    return _drop_non_finite(ProcessedRows(sampling, processed, greedy), logits, fail)
+    top = processed.max(dim=-1)
+    finite = torch.isfinite(top.values)
+    batch = ProcessedRows(sampling, processed, greedy, top.indices)
+    if bool(finite.all()):
+        return batch
+    return _drop_non_finite(batch, finite, logits, fail)
 
 
 def _drop_non_finite(
-    batch: ProcessedRows, logits: torch.Tensor, fail: Callable[[ScheduledRequest, str, bool], None]
+    batch: ProcessedRows,
+    finite: torch.Tensor,
+    logits: torch.Tensor,
+    fail: Callable[[ScheduledRequest, str, bool], None],
 ) -> ProcessedRows:
-    """End (scrubbing their KV) the requests with a row that is not finite; keep the others' rows."""
-    finite_rows = torch.isfinite(batch.processed.amax(dim=-1)).tolist()
+    """End (scrubbing their KV) the requests with a row that is not finite (``finite`` ``[rows]`` bool
+    False); keep the others' rows."""
+    finite_rows = finite.tolist()
     kept: list[ScheduledRequest] = []
     keep: list[int] = []
     start = 0
@@ -180,7 +192,8 @@ def _drop_non_finite(
     if not kept:
         return ProcessedRows([], logits[:0], [])
     index = torch.tensor(keep, dtype=torch.int64, device=batch.processed.device)
-    return ProcessedRows(kept, batch.processed[index], [batch.greedy[i] for i in keep])
+    argmax = None if batch.argmax is None else batch.argmax[index]
+    return ProcessedRows(kept, batch.processed[index], [batch.greedy[i] for i in keep], argmax)
 
 
 def sample_or_verify(
@@ -192,7 +205,8 @@ def sample_or_verify(
     if not sampling:
         return []
     if not any(s.draft_token_ids for s in sampling):
-        tokens = sample(processed, batch.greedy, [s.request.generator for s in sampling], generator)
+        generators = [s.request.generator for s in sampling]
+        tokens = sample(processed, batch.greedy, generators, generator, argmax=batch.argmax)
         return [VerifyResult([t], 0) for t in tokens.tolist()]
     if all(batch.greedy):  # only the argmax of each row is read: no softmax
         target_probs = processed
