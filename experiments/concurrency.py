@@ -99,7 +99,14 @@ from experiments.config import (
     register_configs,
     to_concurrency_config,
 )
-from experiments.harness import free_memory, spec_stats_fields, time_together, warm_up
+from experiments.harness import (
+    free_memory,
+    huge_page_fields,
+    spec_stats_fields,
+    time_together,
+    unequal_huge_pages,
+    warm_up,
+)
 from experiments.tables import format_cell
 from experiments.tracking import NullTracker, Tracker, pick_device, run_info, run_tracked, write_run_files
 
@@ -289,14 +296,22 @@ def run_drafter(
     warmup: list[int],
     params: Any,
     plain_outputs: dict[int, list[list[int]]],
+    huge_pages: dict[str, dict[str, Any] | None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]]]:
     """Every policy and static k of one drafter at every concurrency, on one engine, interleaved with
     plain decoding on ``plain_llm``: per concurrency, ``cfg.repeats`` passes over plain and the drafter's
     rows, the order rotated by one each pass. Returns (the drafter's rows, plain's passes per
-    concurrency); each drafter row carries ``plain_tokens_per_s``, plain decoding over the same block."""
+    concurrency); each drafter row carries ``plain_tokens_per_s``, plain decoding over the same block.
+    ``huge_pages``: per engine name, its huge-page collapse (:func:`huge_page_fields`); the drafter's
+    engine is added, and a warning logged when it and plain's are not alike (:func:`unequal_huge_pages`)."""
     spec = cfg.speculative_config(drafter)
     tree = spec.get("tree") is not None
     llm = _make_llm(cfg, spec, device)
+    if huge_pages is not None:
+        huge_pages[drafter] = huge_page_fields(llm)
+        warning = unequal_huge_pages({"plain": huge_pages.get("plain"), drafter: huge_pages[drafter]})
+        if warning:
+            logger.warning("%s", warning)
     warm_up(llm, warmup)
     for name in cfg.policies:  # a policy's one-time work (the engine's step-cost profile) is not timed
         llm.engine.policy = _policy(name, cfg.num_speculative_tokens, tree, cfg.policy_kwargs.get(name))
@@ -498,6 +513,8 @@ def format_table(result: dict[str, Any]) -> str:
         "k rows in hindsight (✗: a policy's figure below its target). greedy equal: the outputs equal plain "
         "decoding's at the same concurrency token for token (exact in float32 only)."
     )
+    if result.get("huge_pages_warning"):
+        lines += ["", f"**Warning:** {result['huge_pages_warning']}."]
     return "\n".join(lines) + "\n"
 
 
@@ -535,11 +552,12 @@ def run_concurrency(
         warmup = warmup or prompts[0][:8]
         params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
         plain_llm = _make_llm(cfg, None, device)
+        huge_pages: dict[str, dict[str, Any] | None] = {"plain": huge_page_fields(plain_llm)}
         warm_up(plain_llm, warmup)
         rows, plain_outputs, plain_passes = [], {}, {}
         for drafter in cfg.drafters:
             drafter_rows, passes = run_drafter(
-                cfg, drafter, plain_llm, prompts, device, warmup, params, plain_outputs
+                cfg, drafter, plain_llm, prompts, device, warmup, params, plain_outputs, huge_pages
             )
             rows += drafter_rows
             for c, p in passes.items():
@@ -560,6 +578,8 @@ def run_concurrency(
             "dtype": (cfg.engine.dtype or cfg.model.dtype).value,
             "torch_threads": torch.get_num_threads(),
             "num_prompts": len(prompts),
+            "huge_pages": huge_pages,
+            "huge_pages_warning": unequal_huge_pages(huge_pages),
             "config": config,
             "seeds": seeds,
             "git": info["git"],

@@ -36,6 +36,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -46,6 +47,8 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from specdec.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: Hydra's run and sweep directories (git-ignored), one folder per benchmark.
 RUNS = Path(__file__).resolve().parent / "results" / "runs"
@@ -528,6 +531,9 @@ def measure_batch1_interleaved(
         )
 
     llms = {name: build(spec) for name, spec in specs.items()}
+    warning = unequal_huge_pages({name: huge_page_fields(llm) for name, llm in llms.items()})
+    if warning:
+        logger.warning("%s", warning)
     oracles: dict[str, Any] = {}
     for name, llm in llms.items():
         warm_up(llm, prompts[0])
@@ -550,6 +556,41 @@ def measure_batch1_interleaved(
     del llms, llm, oracles
     free_memory()
     return results
+
+
+def huge_page_fields(llm: Any) -> dict[str, Any] | None:
+    """What the engine's start-up huge-page collapse did (:mod:`specdec.engine.huge_pages`):
+    ``{"collapsed_mb", "refused_mb", "reason"}``, or None where it was not asked for."""
+    stats = getattr(llm, "huge_pages", None)
+    if stats is None:
+        return None
+    return {
+        "collapsed_mb": round(stats.collapsed_bytes / 1e6, 1),
+        "refused_mb": round(stats.refused_bytes / 1e6, 1),
+        "reason": stats.reason,
+    }
+
+
+def unequal_huge_pages(engines: dict[str, dict[str, Any] | None]) -> str | None:
+    """A warning when engines compared in one process did not all get their weights onto huge pages:
+    some windows refused (memory the kernel could not compact, with several engines' weights resident),
+    or some engines collapsed and others not. Such an engine streams part of its weights through 4 KiB
+    pages, and its rows are biased low against the others (the Qwen2.5-Coder 1.5B ← 0.5B pair at 16
+    clients: the speculative engine, built second, had 1.9 GB refused and ran at 0.94× plain while it
+    drafted nothing; 1.01× with huge pages off for both). None when they are alike. ``engines``: per
+    engine name, :func:`huge_page_fields`."""
+    collapsed = {name: bool(f and f["collapsed_mb"] > 0) for name, f in engines.items()}
+    refused = {name: f["refused_mb"] for name, f in engines.items() if f and f["refused_mb"] > 0}
+    if not refused and len(set(collapsed.values())) <= 1:
+        return None
+    parts = [f"{name}: {mb:.0f} MB refused" for name, mb in refused.items()]
+    parts += [f"{name}: none collapsed" for name, c in collapsed.items() if not c and any(collapsed.values())]
+    return (
+        "engines in this process are not alike on huge pages ("
+        + "; ".join(parts)
+        + "): their weights stream through different page sizes, so ratios between them are biased; "
+        "rerun with engine.huge_pages=false (or fewer engines, less memory in use)"
+    )
 
 
 def interleaved_bytes(model: str | Path, dtype: str, rows: int, kv_cache_memory_bytes: int) -> int:

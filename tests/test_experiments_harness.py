@@ -405,3 +405,27 @@ def test_bench_drafters_speed_per_category(monkeypatch):
     )
     table = bench_drafters.format_table(result)
     assert "| code | 2.00× |" in table and "| chat | 1.00× |" in table
+
+
+def test_engines_unequal_on_huge_pages_are_flagged():
+    """Engines compared in one process must stream their weights through the same page size: a refused
+    window, or one engine collapsed and another not, is a warning naming them; alike engines (all
+    collapsed, or none asked) give none."""
+    from types import SimpleNamespace
+
+    from experiments.harness import huge_page_fields, unequal_huge_pages
+    from specdec.engine.huge_pages import HugePageStats
+
+    ok = huge_page_fields(SimpleNamespace(huge_pages=HugePageStats(collapsed_bytes=6_642_000_000)))
+    assert ok == {"collapsed_mb": 6642.0, "refused_mb": 0.0, "reason": ""}
+    short = huge_page_fields(
+        SimpleNamespace(huge_pages=HugePageStats(collapsed_bytes=6_986_000_000, refused_bytes=1_923_000_000))
+    )
+    off = huge_page_fields(SimpleNamespace(huge_pages=None))
+    assert off is None
+    assert unequal_huge_pages({"plain": ok, "ngram": ok}) is None
+    assert unequal_huge_pages({"plain": off, "ngram": off}) is None
+    warning = unequal_huge_pages({"plain": ok, "draft_model": short})
+    assert warning is not None and "draft_model: 1923 MB refused" in warning and "huge_pages=false" in warning
+    warning = unequal_huge_pages({"plain": ok, "ngram": off})
+    assert warning is not None and "ngram: none collapsed" in warning and "plain" not in warning.split("(")[1]
