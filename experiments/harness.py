@@ -558,6 +558,10 @@ def measure_batch1_interleaved(
     return results
 
 
+#: The share of an engine's huge-page windows that may be refused before :func:`unequal_huge_pages` warns.
+REFUSED_SHARE = 0.02
+
+
 def huge_page_fields(llm: Any) -> dict[str, Any] | None:
     """What the engine's start-up huge-page collapse did (:mod:`specdec.engine.huge_pages`):
     ``{"collapsed_mb", "refused_mb", "reason"}``, or None where it was not asked for."""
@@ -577,10 +581,15 @@ def unequal_huge_pages(engines: dict[str, dict[str, Any] | None]) -> str | None:
     or some engines collapsed and others not. Such an engine streams part of its weights through 4 KiB
     pages, and its rows are biased low against the others (the Qwen2.5-Coder 1.5B ← 0.5B pair at 16
     clients: the speculative engine, built second, had 1.9 GB refused and ran at 0.94× plain while it
-    drafted nothing; 1.01× with huge pages off for both). None when they are alike. ``engines``: per
-    engine name, :func:`huge_page_fields`."""
+    drafted nothing; 1.01× with huge pages off for both). None when they are alike: a few refused windows
+    (under :data:`REFUSED_SHARE` of an engine's, e.g. a window partly unmapped) do not count. ``engines``:
+    per engine name, :func:`huge_page_fields`."""
     collapsed = {name: bool(f and f["collapsed_mb"] > 0) for name, f in engines.items()}
-    refused = {name: f["refused_mb"] for name, f in engines.items() if f and f["refused_mb"] > 0}
+    refused = {
+        name: f["refused_mb"]
+        for name, f in engines.items()
+        if f and f["refused_mb"] > REFUSED_SHARE * (f["collapsed_mb"] + f["refused_mb"])
+    }
     if not refused and len(set(collapsed.values())) <= 1:
         return None
     parts = [f"{name}: {mb:.0f} MB refused" for name, mb in refused.items()]
