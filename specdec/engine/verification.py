@@ -96,7 +96,7 @@ class ProcessedRows:
         greedy: per row, whether its request is greedy.
         argmax: ``[sum_i (1 + m_i)]`` int64, each processed row's first maximal index (the indices of
             the max-reduction that checks the rows are finite, so greedy sampling reads no row again), or
-            None.
+            None (a step with drafts or without greedy rows).
     """
 
     sampling: list[ScheduledRequest]
@@ -118,8 +118,10 @@ def process_rows(
     are computed here.
 
     One max-reduction over the processed rows finds rows that are not finite: NaN anywhere (NaN
-    propagates through ``max``), +inf, or every token at -inf (nothing left to sample); its indices are
-    the rows' argmax (``ProcessedRows.argmax``), which greedy sampling takes. Requests whose
+    propagates through it), +inf, or every token at -inf (nothing left to sample). In a step of greedy
+    rows and no drafts it is ``max`` with indices, the rows' argmax (``ProcessedRows.argmax``), which
+    greedy sampling then takes; else ``amax`` (at a vocabulary of 49,152 on this project's CPU: 7 us a row
+    against 45 us with indices). Requests whose
     rows' metadata cannot be built are found request by request (:func:`run_isolated`).
     """
     everyone = [s for s in scheduled if s.sample]
@@ -155,9 +157,12 @@ def process_rows(
         sampling = [s for s, _ in done]
         processed = torch.cat([p for _, (p, _) in done])
         greedy = [g for _, (_, gs) in done for g in gs]
-    top = processed.max(dim=-1)
-    finite = torch.isfinite(top.values)
-    batch = ProcessedRows(sampling, processed, greedy, top.indices)
+    if any(greedy) and not any(s.draft_token_ids for s in sampling):  # greedy sampling reads the argmax
+        top = processed.max(dim=-1)
+        finite, argmax = torch.isfinite(top.values), top.indices
+    else:  # ``amax`` is several times faster than ``max`` with indices on the CPU
+        finite, argmax = torch.isfinite(processed.amax(dim=-1)), None
+    batch = ProcessedRows(sampling, processed, greedy, argmax)
     if bool(finite.all()):
         return batch
     return _drop_non_finite(batch, finite, logits, fail)
