@@ -595,9 +595,9 @@ def unequal_huge_pages(engines: dict[str, dict[str, Any] | None]) -> str | None:
     parts = [f"{name}: {mb:.0f} MB refused" for name, mb in refused.items()]
     parts += [f"{name}: none collapsed" for name, c in collapsed.items() if not c and any(collapsed.values())]
     return (
-        "engines in this process are not alike on huge pages ("
+        "not every engine compared in this process has its weights on huge pages ("
         + "; ".join(parts)
-        + "): their weights stream through different page sizes, so ratios between them are biased; "
+        + "): weights on 4 KiB pages stream slower, so ratios between the engines may be biased; "
         "rerun with engine.huge_pages=false (or fewer engines, less memory in use)"
     )
 
