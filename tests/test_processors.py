@@ -304,3 +304,8 @@ def test_sample_takes_the_callers_argmax_and_leaves_it_unchanged(greedy):
     got = sample(x, greedy, gens(), argmax=given)
     assert torch.equal(got, want) and torch.equal(given, top)
     assert torch.equal(got[torch.tensor(greedy)], top[torch.tensor(greedy)])
+    # The given indices are what greedy rows take (no second reduction): a different argmax shows through.
+    other = (top + 1) % x.shape[1]
+    got = sample(x, greedy, gens(), argmax=other)
+    mask = torch.tensor(greedy)
+    assert torch.equal(got[mask], other[mask]) and torch.equal(got[~mask], want[~mask])

@@ -223,13 +223,11 @@ class SuffixDrafter(DrafterBase):
         """Index ``request``'s pending tokens; a backlog (more than the one a step commits) is timed."""
         state = self.states.peek(request)
         pending = len(request.token_ids) - (0 if state is None else state.num_indexed)
-        if pending <= 1:
-            self._catch_up(request)
-            return
         t0 = time.perf_counter()
         self._catch_up(request)
-        self.catch_up_s += (time.perf_counter() - t0) * (pending - 1) / pending
-        self.catch_up_tokens += pending - 1
+        if pending > 1:
+            self.catch_up_s += (time.perf_counter() - t0) * (pending - 1) / pending
+            self.catch_up_tokens += pending - 1
 
     def reset(self, request: Request) -> None:
         """Forget the request's trie; a request that finished (not by a fault, not preempted) joins the
