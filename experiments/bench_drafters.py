@@ -154,9 +154,11 @@ class BenchDraftersConfig(HarnessConfig):
     interleave: build every row's engine first, then generate each prompt with every row in turn
         (:func:`experiments.harness.measure_batch1_interleaved`), so that the host's drift during the run
         moves all rows alike; False: one row after the other, each with a fresh engine. Every engine is
-        alive at once (about 1 GB a row for SmolLM2, 17 GB for the default rows); where that would pass
-        80 % of the available memory the rows run one after the other, with a warning (``interleaved`` in
-        the result says which).
+        alive at once (the target once, with ``share_target``, and per row a drafter and a KV pool); where
+        that would pass 80 % of the available memory the rows run one after the other, with a warning
+        (``interleaved`` in the result says which).
+    share_target: interleaved rows run over one target in memory (``LLM.with_speculation``): the same
+        weights on the same pages for every row; False: each row's engine loads its own.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -171,6 +173,7 @@ class BenchDraftersConfig(HarnessConfig):
     extra_methods: dict[str, Any] = field(default_factory=dict)
     plot: str | None = None
     interleave: bool = True
+    share_target: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -291,7 +294,7 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     interleave = cfg.interleave
     if interleave:
         need, have = (
-            interleaved_bytes(cfg.model, cfg.dtype, len(specs), INTERLEAVED_KV_BYTES),
+            interleaved_bytes(cfg.model, cfg.dtype, len(specs), INTERLEAVED_KV_BYTES, cfg.share_target),
             available_bytes(),
         )
         if have is not None and need > 0.8 * have:
@@ -304,7 +307,7 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     if interleave:
         both = measure_batch1_interleaved(
             cfg.model, specs, ids, cfg.max_tokens, dtype=cfg.dtype, ignore_eos=cfg.ignore_eos,
-            kv_cache_memory_bytes=INTERLEAVED_KV_BYTES,
+            kv_cache_memory_bytes=INTERLEAVED_KV_BYTES, share_target=cfg.share_target,
         )  # fmt: skip
         measured = {
             name: (with_categories(row, timed, cats), timed.outputs) for name, (row, timed) in both.items()

@@ -11,7 +11,8 @@ plain decoding and every static k (issue 19), in one process.
     python experiments/concurrency.py ...                               # the same, as a script
 
 Cells: for every concurrency c, plain decoding (one ``LLM`` without speculation, built once), and per
-drafter (one ``LLM`` each, with k = the largest of ``num_speculative_tokens`` and ``static_k``) every
+drafter (one ``LLM`` each, with k = the largest of ``num_speculative_tokens`` and ``static_k``, over the
+plain engine's target weights with ``share_target``: ``LLM.with_speculation``) every
 policy of ``policies`` (built with k = ``num_speculative_tokens``, its answers capped there) and every
 static depth j of ``static_k`` (the ``static`` policy with ``depth=j``). A drafter's engine is reused for
 all of its cells by assigning a fresh policy to ``llm.engine.policy``; its counters are reset per cell.
@@ -102,6 +103,7 @@ from experiments.config import (
 from experiments.harness import (
     free_memory,
     huge_page_fields,
+    shared_or_own,
     spec_stats_fields,
     time_together,
     unequal_huge_pages,
@@ -306,7 +308,7 @@ def run_drafter(
     engine is added, and a warning logged when it and plain's are not alike (:func:`unequal_huge_pages`)."""
     spec = cfg.speculative_config(drafter)
     tree = spec.get("tree") is not None
-    llm = _make_llm(cfg, spec, device)
+    llm = shared_or_own(plain_llm, spec, lambda s: _make_llm(cfg, s, device), cfg.share_target)
     if huge_pages is not None:
         huge_pages[drafter] = huge_page_fields(llm)
         warning = unequal_huge_pages({"plain": huge_pages.get("plain"), drafter: huge_pages[drafter]})

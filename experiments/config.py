@@ -916,6 +916,9 @@ class ConcurrencyConfig:
             (the batch drains as they finish); ``closed_loop``: ``c`` clients, each submitting its next
             request when its last one finishes (one ``generate`` call of every request of the cell
             with at most ``c`` running: vLLM's ``--max-concurrency``), at least ``3 c`` requests a cell.
+        share_target: every drafter's engine runs over the plain engine's target weights
+            (``LLM.with_speculation``: the same bytes on the same pages, the target in memory once; an eager
+            engine only, a compiled one loads its own); False: each engine loads its own.
     """
 
     model: ModelConfig = MISSING
@@ -941,6 +944,7 @@ class ConcurrencyConfig:
     seed: int = 0
     repeats: int = 1
     arrivals: str = "together"
+    share_target: bool = True
 
     @property
     def engine_k(self) -> int:

@@ -142,7 +142,12 @@ class LLM:
         cpu_threads: int | str | None = "auto",
         grammar_backend: str = "auto",
         huge_pages: bool | str = "auto",
+        _shared_target: Any = None,
     ) -> None:
+        #: The arguments this LLM was built with (what :meth:`with_speculation` builds another from).
+        self.init_args: dict[str, Any] = {
+            k: v for k, v in locals().items() if k not in ("self", "_shared_target")
+        }
         from specdec.drafters.heads import default_heads_name, resolve_heads_dir
         from specdec.drafters.registry import model_method
         from specdec.zoo import resolve_model
@@ -191,6 +196,7 @@ class LLM:
             draft_model_dir=draft_dir,
             quantization=quantization_config,
             compilation=compilation,
+            model=_shared_target,
         )
         if self.engine.runner.device.type == "cpu" and cpu_threads is not None:
             self.engine.threads = ThreadPolicy(cpu_threads)
@@ -205,6 +211,53 @@ class LLM:
             tokenizer = self.tokenizer
             self.engine.detokenize = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
         self._ids = itertools.count()
+
+    #: ``LLM`` arguments that make the target's weights in memory: :meth:`with_speculation` keeps them.
+    TARGET_ARGS = ("model", "dtype", "device", "quantization", "compile", "cuda_graphs")
+
+    @property
+    def target_shareable(self) -> bool:
+        """Whether :meth:`with_speculation` can share this target: an eager one (not compiled, no CUDA
+        graphs)."""
+        runner = self.engine.runner
+        return runner.forward is self.engine.model and runner.cuda_graphs is None
+
+    def with_speculation(self, speculative_config: Any, **overrides: Any) -> LLM:
+        """Another ``LLM`` over this one's target: the same weights in memory, its own drafter.
+
+        The two engines share the target's weights, their packed copies and the huge pages they sit on, so
+        a comparison of speculative against plain decoding (the benchmarks' interleaved rows) reads the
+        same bytes in both, and holds one target in memory instead of two. Each engine keeps its own KV
+        pool, scheduler, prefix cache, threads and drafter, and its own feature layers (EAGLE-3's: put
+        back on the shared model before each of its forwards). The new engine is built with this one's
+        arguments (:attr:`init_args`) but ``speculative_config`` (None: plain decoding) and
+        ``overrides``, which may change any ``LLM`` argument except :data:`TARGET_ARGS`. Use the engines
+        one at a time (``generate`` returns before the other starts; streams may interleave).
+
+        Example::
+
+            plain = LLM("smollm2-135m-instruct", dtype="bfloat16")
+            ngram = plain.with_speculation({"method": "ngram", "num_speculative_tokens": 4})
+            assert ngram.engine.model is plain.engine.model
+
+        Raises:
+            ConfigError: an override of one of :data:`TARGET_ARGS` (named), or a compiled target or one
+                replayed from CUDA graphs (their graphs are traced with one engine's feature layers:
+                build a second ``LLM`` instead); and whatever ``LLM`` raises for the new arguments.
+        """
+        fixed = sorted(set(overrides) & set(self.TARGET_ARGS))
+        if fixed:
+            raise ConfigError(
+                f"with_speculation shares this LLM's target: {', '.join(fixed)} cannot change "
+                "(build another LLM for a different target)"
+            )
+        if not self.target_shareable:
+            raise ConfigError(
+                "with_speculation shares an eager target only: this one is compiled or replayed from CUDA "
+                "graphs (build another LLM instead)"
+            )
+        args = {**self.init_args, **overrides, "speculative_config": speculative_config}
+        return LLM(**args, _shared_target=self.engine.model)
 
     # ------------------------------------------------------------------ inputs
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -264,6 +264,10 @@ class ModelRunner:
             runner's, of the same shapes (the quantized self-drafter on the target's caches); None
             allocates zero-filled ones.
 
+    The model's :attr:`~specdec.models.decoder.DecoderLM.feature_layers` (EAGLE-3's fused layers) are the
+    runner's: taken when it is built and put back on the model before each forward where another engine
+    over the same model (``LLM.with_speculation``) changed them.
+
     Raises:
         ConfigError: ``cuda_graphs`` on a model not on CUDA, or with an attention backend that cannot run
             in graphs (the reference).
@@ -280,6 +284,8 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.model = model
+        #: What this runner's forwards return as features (the model's setting when it was built).
+        self.feature_layers: tuple[int, ...] = tuple(model.feature_layers)
         self.block_size = block_size
         cfg = model.cfg
         param = next(model.parameters())
@@ -366,6 +372,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """Run the forward; returns ``[R, vocab_size]`` float32 logits at ``inputs.logits_indices``."""
+        self._own_feature_layers()
         if self.cuda_graphs is not None:
             out = self.cuda_graphs.run(
                 inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices, False
@@ -386,6 +393,7 @@ class ModelRunner:
     def execute_with_hidden(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the forward; returns the logits ``[R, vocab_size]`` float32 at ``inputs.logits_indices``
         and the final-norm hidden states of every row ``[T, hidden_size]`` (for learned drafters)."""
+        self._own_feature_layers()
         if self.cuda_graphs is not None:
             out = self.cuda_graphs.run(
                 inputs.input_ids, inputs.positions, inputs.metadata, inputs.logits_indices, True
@@ -401,6 +409,11 @@ class ModelRunner:
             inputs.logits_indices,
             all_hidden=True,
         )
+
+    def _own_feature_layers(self) -> None:
+        """Put this runner's feature layers back on a model shared with another engine that set its own."""
+        if self.model.feature_layers != self.feature_layers:
+            self.model.set_feature_layers(self.feature_layers)
 
     @torch.inference_mode()
     def copy_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:

@@ -182,8 +182,19 @@ def test_derive_oracle_and_targets():
     assert t["min_speedup"] == pytest.approx(0.9) and t["min_vs_oracle"] == pytest.approx(0.9)
 
 
-def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu_settings):
+def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu_settings, monkeypatch):
     from experiments.concurrency import run_concurrency
+    from specdec import LLM
+
+    shared: list[tuple[int, int]] = []  # (id of the plain engine's target, id of the drafter engine's)
+    with_speculation = LLM.with_speculation
+
+    def spying(self, spec, **overrides):
+        llm = with_speculation(self, spec, **overrides)
+        shared.append((id(self.engine.model), id(llm.engine.model)))
+        return llm
+
+    monkeypatch.setattr(LLM, "with_speculation", spying)
 
     target, draft = tiny_model_dirs["llama-gqa3-tied"], tiny_model_dirs["llama-mha-untied"]
     concurrency, drafters, policies, static_k = (
@@ -212,6 +223,8 @@ def test_concurrency_tiny_models(hydra_conf, tiny_model_dirs, tmp_path, fast_cpu
     )
     assert cfg.engine_k == 3
     result = run_concurrency(cfg, out_dir=tmp_path)
+    # share_target (the default): each drafter's engine runs over the plain engine's target
+    assert len(shared) == len(drafters) and all(a == b for a, b in shared)
     rows = result["rows"]
     assert len(rows) == len(concurrency) * (1 + len(drafters) * (len(policies) + len(static_k)))
     cells = {(r["drafter"], r["label"], r["concurrency"]): r for r in rows}

@@ -270,6 +270,33 @@ def test_batch1_timing_equals_llm_generate(tiny_model_dirs, fast_cpu_settings):
     assert hf_timed.outputs == expected and hf_timed.forwards == 3 * 7
 
 
+def test_rows_share_the_target_unless_told_not_to_or_compiled(tiny_model_dirs, fast_cpu_settings):
+    from experiments.harness import interleaved_bytes, shared_or_own
+    from specdec import LLM
+    from specdec.memory import arch_config, weight_bytes
+
+    d = tiny_model_dirs["llama-mha-untied"]
+    built: list[dict] = []
+
+    def build(spec):
+        built.append(spec)
+        return LLM(d, skip_tokenizer_init=True, speculative_config=spec, kv_cache_memory_bytes=2**20)
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    plain = LLM(d, skip_tokenizer_init=True, kv_cache_memory_bytes=2**20)
+    assert shared_or_own(plain, ngram, build).engine.model is plain.engine.model and not built
+    assert shared_or_own(plain, ngram, build, share=False).engine.model is not plain.engine.model
+    assert shared_or_own(None, ngram, build).engine.model is not plain.engine.model
+    compiled = LLM(d, skip_tokenizer_init=True, kv_cache_memory_bytes=2**20, compile=True)
+    assert not compiled.target_shareable and plain.target_shareable
+    assert shared_or_own(compiled, ngram, build).engine.model is not compiled.engine.model
+    assert built == [ngram] * 3
+    # memory: the target (and its packed copy) once when shared, per row when not
+    _, held, _ = weight_bytes(arch_config(d), torch.float32)
+    assert interleaved_bytes(d, "float32", 3, 100) == 2 * held + 3 * (held // 2 + 100)
+    assert interleaved_bytes(d, "float32", 3, 100, share_target=False) == 3 * (2 * held + held // 2 + 100)
+
+
 def test_hydra_command_line(tmp_path):
     """``python -m experiments.bench_sampler``: a real ``@hydra.main`` (``--cfg job``, ``-m`` sweeps, a
     misspelt key refused), each job writing ``result.json`` into its run directory."""
