@@ -369,7 +369,7 @@ class SpeculativeConfig:
             if name.name in _COMMON_FIELDS or name.name in entry.fields:
                 continue
             value = getattr(self, name.name)
-            if value != name.default:
+            if value != name.default or type(value) is not type(name.default):  # 1 is set, not True
                 takers = [n for n in drafter_names() if name.name in get_drafter(n).fields]
                 raise ConfigError(
                     f"{name.name}={value!r} applies to method {' or '.join(map(repr, takers))} only "

@@ -196,6 +196,10 @@ def test_declared_trees_and_fields_are_accepted(registry):
 def test_undeclared_fields_and_models_are_config_errors(repeat_last):
     with pytest.raises(ConfigError, match=r"prompt_lookup_max=2 applies to method 'ngram' or 'hybrid' only"):
         SpeculativeConfig(method="repeat_last", prompt_lookup_max=2)
+    # a value equal to the default but of another type was set on purpose (1 is not the default True)
+    with pytest.raises(ConfigError, match=r"hybrid_skip_outranked=1 applies to method 'hybrid' only"):
+        SpeculativeConfig(method="repeat_last", hybrid_skip_outranked=1)
+    assert SpeculativeConfig(method="repeat_last", hybrid_skip_outranked=True).hybrid_skip_outranked is True
     with pytest.raises(ConfigError, match=r"'repeat_last' takes no model"):
         SpeculativeConfig(method="repeat_last", model="some-draft")
     with pytest.raises(ConfigError, match=r"num_speculative_tokens must be an integer in \[1, 16\]"):
