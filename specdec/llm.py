@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import itertools
@@ -144,9 +145,10 @@ class LLM:
         huge_pages: bool | str = "auto",
         _shared_target: Any = None,
     ) -> None:
-        #: The arguments this LLM was built with (what :meth:`with_speculation` builds another from).
+        #: The arguments this LLM was built with (what :meth:`with_speculation` builds another from; shallow
+        #: copies, so a dict the caller changes later does not change them).
         self.init_args: dict[str, Any] = {
-            k: v for k, v in locals().items() if k not in ("self", "_shared_target")
+            k: copy.copy(v) for k, v in locals().items() if k not in ("self", "_shared_target")
         }
         from specdec.drafters.heads import default_heads_name, resolve_heads_dir
         from specdec.drafters.registry import model_method
@@ -200,7 +202,8 @@ class LLM:
         )
         if self.engine.runner.device.type == "cpu" and cpu_threads is not None:
             self.engine.threads = ThreadPolicy(cpu_threads)
-        #: What moving the weights and the KV cache onto huge pages did (None: not asked for).
+        #: What moving the weights (not the KV cache) onto huge pages did (None: not asked for); over a
+        #: shared target (:meth:`with_speculation`) the target's windows are counted again.
         self.huge_pages: HugePageStats | None = None
         if wanted(huge_pages, self.engine.runner.device):
             self.huge_pages = collapse_engine(self.engine)
@@ -231,7 +234,8 @@ class LLM:
         pool, scheduler, prefix cache, threads and drafter, and its own feature layers (EAGLE-3's: put
         back on the shared model before each of its forwards). The new engine is built with this one's
         arguments (:attr:`init_args`) but ``speculative_config`` (None: plain decoding) and
-        ``overrides``, which may change any ``LLM`` argument except :data:`TARGET_ARGS`. Use the engines
+        ``overrides``, which may change any ``LLM`` argument except :data:`TARGET_ARGS`. Its
+        :attr:`huge_pages` counts the shared target's windows again (already collapsed). Use the engines
         one at a time (``generate`` returns before the other starts; streams may interleave).
 
         Example::
@@ -241,11 +245,12 @@ class LLM:
             assert ngram.engine.model is plain.engine.model
 
         Raises:
-            ConfigError: an override of one of :data:`TARGET_ARGS` (named), or a compiled target or one
-                replayed from CUDA graphs (their graphs are traced with one engine's feature layers:
-                build a second ``LLM`` instead); and whatever ``LLM`` raises for the new arguments.
+            ConfigError: an override of one of :data:`TARGET_ARGS` to another value (named; the same
+                value is accepted), or a compiled target or one replayed from CUDA graphs (their graphs
+                are traced with one engine's feature layers: build a second ``LLM`` instead); and
+                whatever ``LLM`` raises for the new arguments.
         """
-        fixed = sorted(set(overrides) & set(self.TARGET_ARGS))
+        fixed = sorted(k for k in set(overrides) & set(self.TARGET_ARGS) if overrides[k] != self.init_args[k])
         if fixed:
             raise ConfigError(
                 f"with_speculation shares this LLM's target: {', '.join(fixed)} cannot change "

@@ -215,20 +215,16 @@ def test_on_the_targets_kv_the_drafter_never_catches_up(tiny_target, monkeypatch
     assert own.engine.drafter.runner.kv_caches is not own.engine.runner.kv_caches
 
 
-def test_on_the_targets_kv_the_drafter_skips_prompt_chunks(tiny_target, monkeypatch):
-    """On the target's K/V the drafter does not run over a prompt chunk longer than
-    SHARED_KV_MAX_NEW_TOKENS (the target writes its K/V in the same step): no draft-model forward reads
-    more than one row per request, a 40-token prompt's first step drafts nothing, later steps draft, and the
-    output is plain decoding's. A prompt of at most that length still drafts on its first step."""
-    from specdec.drafters.draft_model import SHARED_KV_MAX_NEW_TOKENS
-
+def test_on_the_targets_kv_the_drafter_skips_the_prompt(tiny_target, monkeypatch):
+    """On the target's K/V the drafter does not draft on the step that samples a request's first token
+    (the target writes the prompt's K/V in that step; ``drafts_on_target_kv``): no draft-model forward
+    reads more than one row per request, whatever the prompt's length, later steps draft, and the output is
+    plain decoding's."""
     long_prompt = (_prompts(6)[-1] * 3)[:40]
-    short_prompt = long_prompt[:SHARED_KV_MAX_NEW_TOKENS]
-    assert len(long_prompt) == 40 > SHARED_KV_MAX_NEW_TOKENS
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     common = dict(skip_tokenizer_init=True, block_size=4)
     spec = {"method": "quantized_self", "quantization": "int8", "num_speculative_tokens": 3}
-    for prompt, first_drafts in ((long_prompt, False), (short_prompt, True)):
+    for prompt in (long_prompt, long_prompt[:6]):
         base = LLM(tiny_target, **common).generate([{"prompt_token_ids": prompt}], params)
         llm = LLM(tiny_target, speculative_config=spec, **common)
         runner = llm.engine.drafter.runner
@@ -243,8 +239,49 @@ def test_on_the_targets_kv_the_drafter_skips_prompt_chunks(tiny_target, monkeypa
         )
         out = llm.generate([{"prompt_token_ids": prompt}], params)
         assert out[0].outputs[0].token_ids == base[0].outputs[0].token_ids
-        assert (max(rows) == len(prompt)) == first_drafts and min(rows) == 1
+        assert max(rows) == 1
         assert llm.engine.spec_stats.num_drafts > 0
+
+
+def _seeded_twice(tiny_target) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Seeded sampled requests run twice through one quantized self-drafting engine with prefix caching
+    (the second run hits the cache: fewer new tokens in its first step), and once through an engine
+    without prefix caching."""
+    prompts = [{"prompt_token_ids": (_prompts(6)[i] * 4)[: 30 + i]} for i in range(3)]
+    params = [SamplingParams(temperature=0.9, seed=40 + i, max_tokens=24, ignore_eos=True) for i in range(3)]
+    spec = {"method": "quantized_self", "quantization": "int8", "num_speculative_tokens": 3}
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    cached = LLM(tiny_target, skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    first = run(cached)
+    hits = cached.engine.kv.num_prefix_hits
+    second = run(cached)
+    assert cached.engine.kv.num_prefix_hits > hits  # the second run's prompts hit the cache
+    uncached = LLM(
+        tiny_target,
+        skip_tokenizer_init=True,
+        block_size=4,
+        speculative_config=spec,
+        enable_prefix_caching=False,
+    )
+    return first, second, run(uncached)
+
+
+def test_seeded_requests_repeat_after_a_prefix_cache_hit(tiny_target):
+    first, second, uncached = _seeded_twice(tiny_target)
+    assert first == second == uncached
+
+
+def test_negative_control_a_rule_on_the_steps_new_tokens_repeats_no_more(tiny_target, monkeypatch):
+    """The rule before 2026-12-06 (draft when the step brings at most 16 new tokens): the prefix-cache hit
+    of the second run lets its first step draft, and the seeded requests draw other tokens."""
+    from specdec.drafters import draft_model
+
+    monkeypatch.setattr(draft_model, "drafts_on_target_kv", lambda x: x.num_new_tokens <= 16)
+    first, second, _ = _seeded_twice(tiny_target)
+    assert first != second
 
 
 def test_quantized_self_config_errors(tiny_target):

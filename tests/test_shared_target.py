@@ -141,6 +141,14 @@ def test_a_new_target_is_a_config_error_naming_it(setup, override):
         plain.with_speculation({"method": "ngram"}, **override)
 
 
+def test_a_target_argument_given_its_own_value_and_a_changed_dict_are_harmless(setup):
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    ngram = LLM(setup / "target", skip_tokenizer_init=True, block_size=4, speculative_config=spec)
+    spec["num_speculative_tokens"] = 3  # the caller's dict, changed after construction
+    again = ngram.with_speculation(ngram.init_args["speculative_config"], dtype="float32")
+    assert again.engine.spec_config.num_speculative_tokens == 2 and again.engine.model is ngram.engine.model
+
+
 def test_a_compiled_target_is_not_shared(setup):
     compiled = LLM(setup / "target", skip_tokenizer_init=True, block_size=4, compile=True)
     with pytest.raises(ConfigError, match="eager target only"):

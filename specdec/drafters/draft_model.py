@@ -49,12 +49,21 @@ if TYPE_CHECKING:
 CATCH_UP_SEPARATE = 16
 #: The most tokens of one request a catch-up forward computes (bounds its activations and attention).
 CATCH_UP_CHUNK = 512
-#: A draft model on the target's KV (``share_target_kv``) does not draft for a request on a step that gives
-#: it more new tokens than this (a prompt chunk): its drafting forward would run over the whole chunk only
-#: for the verification forward to overwrite the chunk's K/V with the target's in the same step (SmolLM2's
-#: int8 self-drafter: ~90 ms over a few hundred prompt tokens, three speculative steps' time); the next
-#: step drafts on the target's K/V. Decided from the schedule alone, so the outputs stay exact.
-SHARED_KV_MAX_NEW_TOKENS = 16
+
+
+def drafts_on_target_kv(x: DraftInput) -> bool:
+    """Whether a draft model on the target's KV (``share_target_kv``) drafts for ``x`` this step: not on the
+    step that samples the request's first token. That step computes the prompt (or its last chunk), and
+    the drafting forward would run over all of it only for the verification forward to overwrite its K/V
+    with the target's in the same step (SmolLM2's int8 self-drafter: ~90 ms over a few hundred prompt
+    tokens, three speculative steps' time); the next step drafts on the target's K/V.
+
+    Decided from the request's token history alone (has it an output token yet?), not from the step's new
+    tokens, which a prefix-cache hit or a preemption changes: drafting or not changes how many draws a
+    seeded request takes from its generator, so a rule on the new tokens made the same seeded request
+    draw other tokens after a prefix-cache hit. Either way the outputs follow the target's distribution.
+    """
+    return x.request.num_output_tokens > 0
 
 
 @dataclass
@@ -225,8 +234,8 @@ class DraftModelDrafter(DrafterBase):
         for i, x in enumerate(batch):
             if x.max_drafts <= 0:
                 continue  # no drafts this step: its catch-up (prompt chunks too) waits for a drafting step
-            if self.shares_target_kv and x.num_new_tokens > SHARED_KV_MAX_NEW_TOKENS:
-                continue  # a prompt chunk: the target writes its K/V this step (SHARED_KV_MAX_NEW_TOKENS)
+            if self.shares_target_kv and not drafts_on_target_kv(x):
+                continue  # the prompt: the target writes its K/V this step (drafts_on_target_kv)
             req, state = x.request, self._state(x.request)
             end = req.num_computed_tokens + x.num_new_tokens
             spans[i] = (min(state.num_computed, end - 1), end)
