@@ -321,14 +321,13 @@ def generate_all(
     decode steps (steps that drafted nothing included): ``generated / (generated - accepted)``; τ
     (``mean_acceptance_length``) counts only the steps that drafted."""
     from sampling.params import SamplingParams
-    from specdec import LLM
 
     prompts = [prompt_for(llm, doc["schema"]) for _, doc, _ in compiled_docs]
     out: dict[str, Any] = {}
     plain_tokens: list[list[int]] | None = None
     for label in modes:
         spec = GENERATION_MODES[label]
-        runner = llm if spec is None else LLM("smollm2-135m-instruct", speculative_config=spec)
+        runner = llm if spec is None else llm.with_speculation(spec)
         runner.engine.grammar_backend = backend
         if not mask_prefetch:
             runner.engine.mask_prefetch = None
@@ -468,7 +467,7 @@ def run(cfg: BenchGrammarConfig) -> dict[str, Any]:
         (prompt_for(llm, doc["schema"]), doc["schema"]) for _, doc, _ in compiled_docs[: cfg.speed_prompts]
     ]
     for label, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
-        runner = llm if spec is None else LLM("smollm2-135m-instruct", speculative_config=spec)
+        runner = llm if spec is None else llm.with_speculation(spec)
         runner.engine.grammar_backend = backend
         warm_up(runner, sub[0][0]["prompt_token_ids"])
         for constrained in (False, True):

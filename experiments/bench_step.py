@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from experiments.harness import HarnessConfig, benchmark, require_choice, require_positive
+from experiments.harness import HarnessConfig, benchmark, require_choice, require_positive, shared_or_own
 
 QUESTION = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 
@@ -174,7 +174,9 @@ def run(cfg: BenchStepConfig) -> dict[str, Any]:
         if name != "plain":
             result[f"{name}_over_plain"] = ms / rows["plain"]
     spec = {"method": "ngram", "num_speculative_tokens": cfg.k}
-    result.update(ngram_row(llm, LLM(cfg.model, speculative_config=spec, **common), cfg))
+    # over the plain engine's target (the same weights on the same pages) where it is eager
+    ngram = shared_or_own(llm, spec, lambda sp: LLM(cfg.model, speculative_config=sp, **common))
+    result.update(ngram_row(llm, ngram, cfg))
     return result
 
 
