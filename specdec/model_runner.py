@@ -285,7 +285,7 @@ class ModelRunner:
     ) -> None:
         self.model = model
         #: What this runner's forwards return as features (the model's setting when it was built).
-        self.feature_layers: tuple[int, ...] = tuple(model.feature_layers)
+        self.feature_layers: tuple[int, ...] = tuple(getattr(model, "feature_layers", ()))
         self.block_size = block_size
         cfg = model.cfg
         param = next(model.parameters())
@@ -412,7 +412,7 @@ class ModelRunner:
 
     def _own_feature_layers(self) -> None:
         """Put this runner's feature layers back on a model shared with another engine that set its own."""
-        if self.model.feature_layers != self.feature_layers:
+        if getattr(self.model, "feature_layers", ()) != self.feature_layers:
             self.model.set_feature_layers(self.feature_layers)
 
     @torch.inference_mode()
