@@ -157,6 +157,7 @@ def test_a_compiled_target_is_not_shared(setup):
 
 def test_quantized_self_drafting_over_a_shared_packed_target_is_greedy_equal(setup):
     plain = LLM(setup / "target", skip_tokenizer_init=True, block_size=4, dtype="bfloat16")
+    assert any(getattr(m, "packed", None) is not None for m in plain.engine.model.modules())  # packed already
     ref = _tokens(plain)
     spec = {"method": "quantized_self", "quantization": "int8", "num_speculative_tokens": 3}
     draft = plain.with_speculation(spec)
