@@ -45,6 +45,17 @@ constexpr int kMaxRows = 6;
 #endif
 // Software prefetch distance in kb steps (4 KB each).
 constexpr int64_t kPrefetch = SPECDEC_TILE_PREFETCH;
+#ifndef SPECDEC_TILE_FAR_PREFETCH
+#define SPECDEC_TILE_FAR_PREFETCH 8
+#endif
+// Passes of more than one row also prefetch into L2 this many kb steps ahead (32 KB). Their arithmetic
+// (MR x NT dot products per input pair) holds the loop long enough that the memory idles between the
+// near prefetches; the far ones keep it streaming under the arithmetic. A/B of experiments.bench_step
+// (SmolLM2-135M bfloat16, 2-core AMD EPYC Zen 4, two runs of each in turn; ratios to the plain step, which
+// this does not touch): a chain of 5 1.11-1.13 -> 1.07-1.08, a 16-node tree 1.69-1.75 -> 1.58-1.66. One-row
+// passes omit it: there it cost 3-5 % in a first A/B. Interleaving the passes over chunks of blocks (so the
+// later passes read a chunk from L1 while memory streams the next) measured level and was not kept.
+constexpr int64_t kFarPrefetch = SPECDEC_TILE_FAR_PREFETCH;
 
 // Outputs of tiles [j0, j0 + NT) of group pg for MR input rows at x (row stride xs, KB * 32 elements each,
 // zeros past K): y rows m (stride N), bias added, rounded to bfloat16.
@@ -60,9 +71,13 @@ inline void pass(const uint16_t* x, int64_t xs, const uint16_t* pg, int64_t KB, 
       // The input pair r's weights for the group's 64 outputs lie together (pair-major layout): tiles [j0,
       // j0 + NT) of them are read in memory order.
       const uint16_t* wr = pg + ((kb * kTileK / 2 + r) * kGroup + j0) * 2 * kTileN;
-      for (int j = 0; j < NT; ++j)  // a cache line per tile row, kPrefetch * 4 KB ahead
+      for (int j = 0; j < NT; ++j) {  // a cache line per tile row, kPrefetch * 4 KB ahead (and kFarPrefetch)
         _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetch * kGroup * kTileElems + j * 2 * kTileN),
                      _MM_HINT_T0);
+        if constexpr (MR > 1)
+          _mm_prefetch(reinterpret_cast<const char*>(wr + kFarPrefetch * kGroup * kTileElems + j * 2 * kTileN),
+                       _MM_HINT_T1);
+      }
       __m512bh wv[NT];
       for (int j = 0; j < NT; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr + j * 2 * kTileN);
       for (int m = 0; m < MR; ++m) {
