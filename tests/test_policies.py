@@ -199,15 +199,22 @@ def test_goodput_learns_step_costs_when_not_frozen():
     assert given.draft_s_per_position == pytest.approx(0.9 * 0.001 + 0.1 * 0.010)
 
 
-def test_cost_model_corrects_untried_counts_by_the_observed_ratio():
+def test_cost_model_carries_the_observed_excess_to_untried_counts():
     from specdec.policies.cost_model import StepCostModel
 
     model = StepCostModel(step_s={1: 0.02, 8: 0.04, 16: 0.06})  # a profile of the forward alone
+    assert model.target_s(16) == pytest.approx(0.06)  # nothing observed: the profile
     for _ in range(50):
-        model.observe(8, 0.08, 0, 0.0)  # real steps of 8 tokens cost twice the profile
+        model.observe(8, 0.08, 0, 0.0)  # real steps of 8 tokens cost 40 ms more than the profile
     assert model.target_s(8) == pytest.approx(0.08)
-    assert model.target_s(16) == pytest.approx(0.12)  # never played: the profile × the observed ratio
-    assert model.target_s(12) == pytest.approx(0.10)  # interpolated, then corrected
+    # Never played: the nearest played count plus the profile's increment (the excess as an amount; as
+    # a ratio, 2x, it would price 16 tokens at 0.12 and 12 at 0.10).
+    assert model.target_s(16) == pytest.approx(0.10)
+    assert model.target_s(12) == pytest.approx(0.09)  # the profile interpolated, then the excess added
+    assert model.target_s(1) == pytest.approx(0.06)  # below every played count: from the nearest above
+    model.observe(16, 0.09, 0, 0.0)  # once played, a count follows its own steps
+    assert model.target_s(16) == pytest.approx(0.09)
+    assert model.target_s(12) == pytest.approx(0.09)  # from the nearest played count below, 8
     model.set_base({1: 0.01})  # a new profile forgets the corrections
     assert model.target_s(1) == 0.01 and model.target_s(2) == pytest.approx(0.01 * (1 + 1 / 64))
     frozen = StepCostModel(step_s={1: 0.02}, frozen=True)
@@ -241,7 +248,8 @@ def test_prompt_chunks_do_not_make_untried_decode_counts_look_cheap():
     for _ in range(50):
         model.observe(8, 0.08, 0, 0.0)  # decode steps: twice the profile (attention over long contexts)
         model.observe(512, 0.5, 0, 0.0, prefill=True)  # prompt chunks: what the profile said
-    assert model.target_s(16) == pytest.approx(2 * model.base_s(16))  # from the decode steps alone
+    # from the decode steps alone: their excess over the profile carried from 8 tokens
+    assert model.target_s(16) == pytest.approx(0.08 + model.base_s(16) - model.base_s(8))
     assert model.target_s(16, prefill=True) == pytest.approx(model.base_s(16))
     assert model.target_s(512, prefill=True) == pytest.approx(0.5)
     # Through the engine: a step with a prompt chunk is reported as one.

@@ -6,10 +6,16 @@ costs given up front), interpolated linearly between its counts; beyond them it 
 by a prior slope (``prior_slope``: the fraction of a one-token step that each extra token adds; small,
 since a decode step is bound by reading the weights); with no curve at all it is relative (1 for one
 token). Observed steps correct the curve multiplicatively: a running mean of observed ÷ base per
-token count, used for that count, and one over all counts, used for the counts not observed yet. So a
-count the policy never plays is predicted from the same correction as the ones it plays (the profile
-times the forward alone; a real step adds verification, commit and attention over long contexts),
-rather than from the raw profile, which would make untried counts look cheap. Steps also grow dearer
+token count, used for that count. A count not observed yet is predicted from the nearest one observed
+(below it where there is one): that count's prediction plus the profile's increment between the two,
+scaled by the drift index below. So a count the policy never plays carries what the played ones add to
+the profile (the profile times the forward alone; a real step adds verification, commit and attention
+over long contexts), rather than the raw profile, which would make untried counts look cheap; and that
+excess is carried as an amount, not as a ratio: it is about constant across counts (SmolLM2-135M
+bfloat16 at 4 clients, 2-core AMD EPYC: 3-4 ms over a profile of 8.4-15.1 ms at 1-12 tokens), so the
+played counts' ratio (1.3) priced 16- and 20-token steps 20-24 % above their measured cost and the
+goodput policy drafted too little (docs/concurrency.md, run 13). Before anything is observed, the
+profile itself. Steps also grow dearer
 as contexts grow, for every count alike: a drift index tracks that (each step moves it by its ratio
 over its count's correction; a count's correction changes only at ``SHAPE_DECAY`` of that rate), and a
 count's correction is carried along it from the step it was last observed on. The counts a policy
@@ -103,12 +109,11 @@ class StepCostModel:
 
     def _forget_corrections(self) -> None:
         # observed / base: running means per token count (with the drift index they were last updated at),
-        # and over all counts (1 until observed); the drift index; index 0 for decode / verification
-        # steps, 1 for steps with prefill chunks.
+        # the observed counts sorted, and the drift index; index 0 for decode / verification steps, 1 for
+        # steps with prefill chunks.
         self._ratio: tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]]] = ({}, {})
-        self._scale = [1.0, 1.0]
+        self._sorted_observed: list[list[int]] = [[], []]
         self._drift = [1.0, 1.0]
-        self._num_observed = [0, 0]
 
     def _known_counts(self) -> list[int]:
         """The base curve's token counts, ascending (sorted again when ``step_s`` was replaced or grew)."""
@@ -138,9 +143,23 @@ class StepCostModel:
         holds prompt chunks)."""
         kind = int(prefill)
         seen = self._ratio[kind].get(num_tokens)
-        if seen is None:
-            return self.base_s(num_tokens) * self._scale[kind]
-        return self.base_s(num_tokens) * seen[0] * self._drift[kind] / seen[1]
+        if seen is not None:
+            return self.base_s(num_tokens) * seen[0] * self._drift[kind] / seen[1]
+        counts = self._observed_counts(kind)
+        if not counts:
+            return self.base_s(num_tokens)
+        # the nearest observed count, below num_tokens where there is one
+        i = bisect.bisect_left(counts, num_tokens)
+        m = counts[i - 1] if i else counts[0]
+        step = self.base_s(num_tokens) - self.base_s(m)
+        return max(self.target_s(m, prefill) + step * self._drift[kind], 1e-3 * self.base_s(num_tokens))
+
+    def _observed_counts(self, kind: int) -> list[int]:
+        """The token counts observed for ``kind``, ascending (sorted again when a count was added)."""
+        counts = self._sorted_observed[kind]
+        if len(counts) != len(self._ratio[kind]):
+            counts = self._sorted_observed[kind] = sorted(self._ratio[kind])
+        return counts
 
     def set_draft_costs(self, per_position: dict[int, float], catch_up_s_per_token: float = 0.0) -> None:
         """Start the drafting cost per bucket from a profile ``{rows: seconds per draft position}`` (a
@@ -209,9 +228,6 @@ class StepCostModel:
             ds = d * SHAPE_DECAY
             mean = (1 - ds) * carried * self._drift[kind] / drift + ds * r
         ratio[num_tokens] = (mean, self._drift[kind])
-        first = self._num_observed[kind] == 0
-        self._scale[kind] = r if first else (1 - d) * self._scale[kind] + d * r
-        self._num_observed[kind] += 1
         if depth > 0 and 0 <= draft_s < math.inf:
             per = draft_s / depth
             b, d = _bucket(max(1, draft_rows)), self.decay
