@@ -214,12 +214,38 @@ def test_cost_model_carries_the_observed_excess_to_untried_counts():
     assert model.target_s(1) == pytest.approx(0.06)  # below every played count: from the nearest above
     model.observe(16, 0.09, 0, 0.0)  # once played, a count follows its own steps
     assert model.target_s(16) == pytest.approx(0.09)
-    assert model.target_s(12) == pytest.approx(0.09)  # from the nearest played count below, 8
+    assert model.target_s(12) == pytest.approx(0.05 + 0.035)  # between two: their excesses interpolated
     model.set_base({1: 0.01})  # a new profile forgets the corrections
     assert model.target_s(1) == 0.01 and model.target_s(2) == pytest.approx(0.01 * (1 + 1 / 64))
     frozen = StepCostModel(step_s={1: 0.02}, frozen=True)
     frozen.observe(1, 0.5, 0, 0.0)
     assert frozen.target_s(1) == 0.02
+
+
+def test_cost_model_untried_counts_stay_positive_ordered_and_in_seconds():
+    from specdec.policies.cost_model import StepCostModel
+
+    # No curve (relative units): the nearest observed count's seconds scaled by the relative curve, not
+    # an excess in seconds added to unitless numbers (which priced 5 tokens 2.6x a played 4).
+    relative = StepCostModel()
+    relative.observe(4, 0.010, 0, 0.0)
+    assert relative.target_s(5) == pytest.approx(0.010 * (1 + 4 / 64) / (1 + 3 / 64))
+    assert relative.target_s(1) == pytest.approx(0.010 / (1 + 3 / 64))
+    relative.observe(8, 0.030, 0, 0.0)  # between two: their ratios to the relative curve interpolated
+    ratios = (0.010 / (1 + 3 / 64), 0.030 / (1 + 7 / 64))
+    assert relative.target_s(6) == pytest.approx((1 + 5 / 64) * (ratios[0] + ratios[1]) / 2)
+    # Steps cheaper than profiled: below the observed counts the cost scaled by the profile is the floor
+    # (the negative excess alone would leave 0.003 s, or nothing with a larger gap).
+    cheap = StepCostModel({1: 0.018, 8: 0.020})
+    cheap.observe(8, 0.005, 0, 0.0)
+    assert cheap.target_s(1) == pytest.approx(0.005 * 0.018 / 0.020)
+    # Between two observed counts: their excesses interpolated, so an untried count is not dearer than
+    # the observed one above it (from the nearest below alone, 12 tokens came to 0.050 against 16's 0.041).
+    between = StepCostModel({1: 0.010, 16: 0.030})
+    between.observe(1, 0.030, 0, 0.0)
+    between.observe(16, 0.041, 0, 0.0)
+    assert between.target_s(1) < between.target_s(12) < between.target_s(16)
+    assert between.target_s(12) == pytest.approx(0.010 + 11 / 15 * 0.020 + 4 / 15 * 0.020 + 11 / 15 * 0.011)
 
 
 def test_a_count_observed_long_ago_follows_steps_growing_dearer():

@@ -6,9 +6,13 @@ costs given up front), interpolated linearly between its counts; beyond them it 
 by a prior slope (``prior_slope``: the fraction of a one-token step that each extra token adds; small,
 since a decode step is bound by reading the weights); with no curve at all it is relative (1 for one
 token). Observed steps correct the curve multiplicatively: a running mean of observed ÷ base per
-token count, used for that count. A count not observed yet is predicted from the nearest one observed
-(below it where there is one): that count's prediction plus the profile's increment between the two,
-scaled by the drift index below. So a count the policy never plays carries what the played ones add to
+token count, used for that count. A count not observed yet is predicted as the profile (scaled by the
+drift index below) plus the excess over it of the observed counts: the nearest one's above or below
+them all, the two neighbours' interpolated between them, and below them all no less than the nearest
+one's cost scaled by the profile (so an excess that is negative, steps cheaper than profiled, cannot
+bring a small count to zero); with no curve at all (relative units, which cannot take an excess in
+seconds), the observed counts' ratios to the relative curve, the nearest one's or the two neighbours'
+interpolated. So a count the policy never plays carries what the played ones add to
 the profile (the profile times the forward alone; a real step adds verification, commit and attention
 over long contexts), rather than the raw profile, which would make untried counts look cheap; and that
 excess is carried as an amount, not as a ratio: it is about constant across counts (SmolLM2-135M
@@ -146,13 +150,33 @@ class StepCostModel:
         if seen is not None:
             return self.base_s(num_tokens) * seen[0] * self._drift[kind] / seen[1]
         counts = self._observed_counts(kind)
+        base = self.base_s(num_tokens)
         if not counts:
-            return self.base_s(num_tokens)
-        # the nearest observed count, below num_tokens where there is one
-        i = bisect.bisect_left(counts, num_tokens)
-        m = counts[i - 1] if i else counts[0]
-        step = self.base_s(num_tokens) - self.base_s(m)
-        return max(self.target_s(m, prefill) + step * self._drift[kind], 1e-3 * self.base_s(num_tokens))
+            return base
+        i = bisect.bisect_left(counts, num_tokens)  # counts[i - 1] < num_tokens < counts[i]
+        lo, hi = (counts[i - 1] if i else None), (counts[i] if i < len(counts) else None)
+        near = lo if lo is not None else hi
+        # The nearest observed count's cost scaled by the curve: with no curve (relative units, which
+        # cannot take an excess in seconds) outside the observed counts, and as a floor below them (an
+        # excess that is negative, steps cheaper than profiled, would otherwise reach zero there).
+        scaled = self.target_s(near, prefill) * base / self.base_s(near)
+        if not self._known_counts():
+            if lo is None or hi is None:
+                return scaled
+            w = (num_tokens - lo) / (hi - lo)  # between two: their ratios to the curve interpolated
+            ratio_lo = self.target_s(lo, prefill) / self.base_s(lo)
+            return base * ((1 - w) * ratio_lo + w * self.target_s(hi, prefill) / self.base_s(hi))
+        drift = self._drift[kind]
+
+        def excess(m: int) -> float:  # an observed count's seconds beyond the profile (at today's drift)
+            return self.target_s(m, prefill) - self.base_s(m) * drift
+
+        if lo is None:  # below every observed count
+            return max(base * drift + excess(hi), scaled)
+        if hi is None:  # above every observed count
+            return base * drift + excess(lo)
+        w = (num_tokens - lo) / (hi - lo)  # between two: their excesses interpolated
+        return base * drift + (1 - w) * excess(lo) + w * excess(hi)
 
     def _observed_counts(self, kind: int) -> list[int]:
         """The token counts observed for ``kind``, ascending (sorted again when a count was added)."""
