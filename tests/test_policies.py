@@ -246,6 +246,10 @@ def test_cost_model_untried_counts_stay_positive_ordered_and_in_seconds():
     between.observe(16, 0.041, 0, 0.0)
     assert between.target_s(1) < between.target_s(12) < between.target_s(16)
     assert between.target_s(12) == pytest.approx(0.010 + 11 / 15 * 0.020 + 4 / 15 * 0.020 + 11 / 15 * 0.011)
+    # A step batches at least one token: anything else is a caller's mistake, named.
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ConfigError, match="num_tokens"):
+            between.target_s(bad)
 
 
 def test_a_count_observed_long_ago_follows_steps_growing_dearer():

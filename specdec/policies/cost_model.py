@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +145,13 @@ class StepCostModel:
 
     def target_s(self, num_tokens: int, prefill: bool = False) -> float:
         """Predicted seconds of a target step over ``num_tokens`` batched tokens (``prefill``: the step
-        holds prompt chunks)."""
+        holds prompt chunks).
+
+        Raises:
+            ConfigError: ``num_tokens`` below 1 (a step batches at least one token).
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < 1:
+            raise ConfigError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
         kind = int(prefill)
         seen = self._ratio[kind].get(num_tokens)
         if seen is not None:
@@ -156,13 +163,16 @@ class StepCostModel:
         i = bisect.bisect_left(counts, num_tokens)  # counts[i - 1] < num_tokens < counts[i]
         lo, hi = (counts[i - 1] if i else None), (counts[i] if i < len(counts) else None)
         near = lo if lo is not None else hi
-        # The nearest observed count's cost scaled by the curve: with no curve (relative units, which
-        # cannot take an excess in seconds) outside the observed counts, and as a floor below them (an
-        # excess that is negative, steps cheaper than profiled, would otherwise reach zero there).
-        scaled = self.target_s(near, prefill) * base / self.base_s(near)
+
+        def scaled() -> float:
+            # The nearest observed count's cost scaled by the curve: with no curve (relative units, which
+            # cannot take an excess in seconds) outside the observed counts, and as a floor below them (an
+            # excess that is negative, steps cheaper than profiled, would otherwise reach zero there).
+            return self.target_s(near, prefill) * base / self.base_s(near)
+
         if not self._known_counts():
             if lo is None or hi is None:
-                return scaled
+                return scaled()
             w = (num_tokens - lo) / (hi - lo)  # between two: their ratios to the curve interpolated
             ratio_lo = self.target_s(lo, prefill) / self.base_s(lo)
             return base * ((1 - w) * ratio_lo + w * self.target_s(hi, prefill) / self.base_s(hi))
@@ -172,7 +182,7 @@ class StepCostModel:
             return self.target_s(m, prefill) - self.base_s(m) * drift
 
         if lo is None:  # below every observed count
-            return max(base * drift + excess(hi), scaled)
+            return max(base * drift + excess(hi), scaled())
         if hi is None:  # above every observed count
             return base * drift + excess(lo)
         w = (num_tokens - lo) / (hi - lo)  # between two: their excesses interpolated
