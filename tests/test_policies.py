@@ -250,6 +250,17 @@ def test_cost_model_untried_counts_stay_positive_ordered_and_in_seconds():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ConfigError, match="num_tokens"):
             between.target_s(bad)
+    assert between.target_s(np.int64(12)) == between.target_s(12)
+    # A step observed with a count that is not one teaches nothing (it would otherwise be stored and
+    # break later predictions that look it up); numpy integers are counts, stored as Python ints.
+    learner = StepCostModel({np.int64(1): 0.010, 16: 0.030})
+    learner.observe(2.5, 0.5, 0, 0.0)
+    learner.observe(True, 0.5, 0, 0.0)
+    assert learner.target_s(3) == pytest.approx(0.010 + 2 / 15 * 0.020)
+    learner.observe(np.int64(4), 0.020, 0, 0.0)
+    assert learner.target_s(4) == pytest.approx(0.020)
+    with pytest.raises(ConfigError, match="step_s entries"):
+        StepCostModel({True: 0.010})
 
 
 def test_a_count_observed_long_ago_follows_steps_growing_dearer():

@@ -88,9 +88,9 @@ class StepCostModel:
             raise ConfigError(f"step_s must be a {{num_tokens: seconds}} dict, got {self.step_s!r}")
         clean: dict[int, float] = {}
         for n, s in self.step_s.items():
-            if not isinstance(n, int) or n < 1 or not isinstance(s, (int, float)) or not 0 < s < math.inf:
+            if not _is_count(n) or not isinstance(s, (int, float)) or not 0 < s < math.inf:
                 raise ConfigError(f"step_s entries must be num_tokens >= 1: seconds > 0, got {n!r}: {s!r}")
-            clean[n] = float(s)
+            clean[int(n)] = float(s)
         self.step_s = clean
         self._known: tuple[dict[int, float] | None, list[int]] = (None, [])  # (the curve, its counts)
         self._forget_corrections()
@@ -148,9 +148,9 @@ class StepCostModel:
         holds prompt chunks).
 
         Raises:
-            ConfigError: ``num_tokens`` below 1 (a step batches at least one token).
+            ConfigError: ``num_tokens`` not an integer >= 1 (a step batches at least one token).
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < 1:
+        if not _is_count(num_tokens):
             raise ConfigError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
         kind = int(prefill)
         seen = self._ratio[kind].get(num_tokens)
@@ -248,8 +248,9 @@ class StepCostModel:
             per = catch_up_s / catch_up_tokens
             old = self.catch_up_s_per_token
             self.catch_up_s_per_token = per if old == 0 else (1 - self.decay) * old + self.decay * per
-        if not (0 < target_s < math.inf) or num_tokens < 1:
-            return
+        if not (0 < target_s < math.inf) or not _is_count(num_tokens):
+            return  # a step of no tokens, or a count that is not an integer: nothing to learn
+        num_tokens = int(num_tokens)  # numpy integers are stored as Python ints
         kind, d = int(prefill), self.decay
         r = target_s / self.base_s(num_tokens)
         ratio, old = self._ratio[kind], self._ratio[kind].get(num_tokens)
@@ -275,6 +276,11 @@ class StepCostModel:
                 # each, and the policy would draft as if drafting were free meanwhile.
                 self._draft_buckets[b] = per
             self.draft_s_per_position = self._draft_buckets[b]
+
+
+def _is_count(n: Any) -> bool:
+    """Whether ``n`` is a token count: an integer >= 1 (numpy integers too; not a bool)."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
 
 
 def _bucket(rows: int) -> int:
