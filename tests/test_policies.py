@@ -259,6 +259,7 @@ def test_cost_model_untried_counts_stay_positive_ordered_and_in_seconds():
     assert learner.target_s(3) == pytest.approx(0.010 + 2 / 15 * 0.020)
     learner.observe(np.int64(4), 0.020, 0, 0.0)
     assert learner.target_s(4) == pytest.approx(0.020)
+    assert [type(c) for c in learner._observed_counts(0)] == [int]
     with pytest.raises(ConfigError, match="step_s entries"):
         StepCostModel({True: 0.010})
 

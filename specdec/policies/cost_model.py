@@ -152,6 +152,10 @@ class StepCostModel:
         """
         if not _is_count(num_tokens):
             raise ConfigError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
+        return self._predict(int(num_tokens), prefill)
+
+    def _predict(self, num_tokens: int, prefill: bool) -> float:
+        """:meth:`target_s` for a count already checked (the calls it makes on observed counts too)."""
         kind = int(prefill)
         seen = self._ratio[kind].get(num_tokens)
         if seen is not None:
@@ -168,18 +172,18 @@ class StepCostModel:
             # The nearest observed count's cost scaled by the curve: with no curve (relative units, which
             # cannot take an excess in seconds) outside the observed counts, and as a floor below them (an
             # excess that is negative, steps cheaper than profiled, would otherwise reach zero there).
-            return self.target_s(near, prefill) * base / self.base_s(near)
+            return self._predict(near, prefill) * base / self.base_s(near)
 
         if not self._known_counts():
             if lo is None or hi is None:
                 return scaled()
             w = (num_tokens - lo) / (hi - lo)  # between two: their ratios to the curve interpolated
-            ratio_lo = self.target_s(lo, prefill) / self.base_s(lo)
-            return base * ((1 - w) * ratio_lo + w * self.target_s(hi, prefill) / self.base_s(hi))
+            ratio_lo = self._predict(lo, prefill) / self.base_s(lo)
+            return base * ((1 - w) * ratio_lo + w * self._predict(hi, prefill) / self.base_s(hi))
         drift = self._drift[kind]
 
         def excess(m: int) -> float:  # an observed count's seconds beyond the profile (at today's drift)
-            return self.target_s(m, prefill) - self.base_s(m) * drift
+            return self._predict(m, prefill) - self.base_s(m) * drift
 
         if lo is None:  # below every observed count
             return max(base * drift + excess(hi), scaled())
@@ -280,6 +284,8 @@ class StepCostModel:
 
 def _is_count(n: Any) -> bool:
     """Whether ``n`` is a token count: an integer >= 1 (numpy integers too; not a bool)."""
+    if type(n) is int:  # the common case, without the abstract-class check
+        return n >= 1
     return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
 
 
