@@ -43,7 +43,7 @@ class BenchStepConfig(HarnessConfig):
     dtype: float32 or bfloat16.
     compile: run the compiled forward (``LLM(compile=True)``); buckets compile during the warm-up.
     k: drafts per chain (``num_speculative_tokens``).
-    tree_nodes: nodes of the token tree.
+    tree_nodes: rows of the token tree, its root included (the engine's default tree: 15 drafts + root).
     context: tokens already in the KV cache before each timed step.
     repeats: timed forwards per row (after 3 warm-up ones), the rows taken in turn.
     max_tokens: new tokens of the end-to-end n-gram row.

@@ -153,7 +153,7 @@ class SuffixDrafterConfig(DrafterConfig):
     method: str = "suffix"
     num_speculative_tokens: int = 4
     tree: str | None = None
-    max_tree_nodes: int = 16
+    max_tree_nodes: int = 15  # specdec.config.DEFAULT_MAX_TREE_NODES: 16 rows with the root
     max_match: int = 16
     min_token_prob: float = 0.1
     spec_factor: float = 1.0
@@ -321,7 +321,7 @@ class HeadDrafterConfig(DrafterConfig):
     tree: str | None = None
     tree_choices: list[list[int]] | None = None
     tree_topk: int = 4
-    max_tree_nodes: int = 16
+    max_tree_nodes: int = 15  # specdec.config.DEFAULT_MAX_TREE_NODES: 16 rows with the root
     quantization: str | None = None
     draft_stop_probability: float | None = None
 

@@ -198,12 +198,21 @@ MAX_SPECULATIVE_TOKENS = 16
 TREE_KINDS = (None, "static", "dynamic")
 #: Largest token tree verified per request per step.
 MAX_TREE_NODES = 64
-#: Medusa's static tree when ``tree="static"`` and no ``tree_choices`` are given: 16 nodes over 4 heads,
-#: built by :func:`specdec.drafters.tree.choices_from_accuracies` from held-out per-rank accuracies of
-#: the built-in SmolLM2 heads (see specdec/heads/smollm2-135m-instruct-medusa/config.json).
+#: Default ``max_tree_nodes``: 15 drafts and the request's last accepted token make a verification
+#: step of 16 rows, one 16-row tile of the AMX kernels (and a compiled step's bucket); a 17th row starts a
+#: second tile: on a 2-core Intel Xeon with AMX a 17-row step cost 1.48x a plain step against 1.25x for
+#: 16 rows (``python -m experiments.bench_step tree_nodes=17``, then the default 16), and EAGLE-3 trees
+#: of 15 drafts ran 1.44x plain decoding against 1.29x for 16 at the same tau (docs/engine.md, "Trees of
+#: 15 drafts").
+#: A compiled step pads 17 tokens to its 32-token bucket (specdec/compilation/buckets.py).
+DEFAULT_MAX_TREE_NODES = 15
+#: Medusa's static tree when ``tree="static"`` and no ``tree_choices`` are given: 15 nodes over 4 heads
+#: (16 rows with the root, as :data:`DEFAULT_MAX_TREE_NODES`): the 16-node tree that
+#: :func:`specdec.drafters.tree.choices_from_accuracies` built from held-out per-rank accuracies of the
+#: built-in SmolLM2 heads, less its least likely path ``(0, 4)``.
 DEFAULT_TREE_CHOICES: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (0, 0), (2,), (3,), (0, 1), (4,), (5,),
-    (1, 0), (0, 2), (6,), (7,), (0, 3), (8,), (2, 0), (0, 4),
+    (1, 0), (0, 2), (6,), (7,), (0, 3), (8,), (2, 0),
 )  # fmt: skip
 #: Fields every drafter may set; the others belong to the drafters that declare them
 #: (``register_drafter(fields=...)``) and keep their defaults elsewhere.
@@ -251,7 +260,8 @@ class SpeculativeConfig:
         tree_choices: the static tree's index paths (None: :data:`DEFAULT_TREE_CHOICES`); paths deeper than
             k are dropped.
         tree_topk: "dynamic": children drafted per expanded node, and nodes expanded per level.
-        max_tree_nodes: "dynamic": draft tokens kept after reranking (the verified tree's size).
+        max_tree_nodes: "dynamic": draft tokens kept after reranking (the verified tree's size; default
+            15, so that with the last accepted token a step verifies 16 rows: :data:`DEFAULT_MAX_TREE_NODES`).
         drafter_kwargs: keyword arguments passed to the drafter's constructor (user drafters).
         policy: the speculation policy, a registered name (:func:`specdec.policies.policy_names`):
             ``"static"`` (depth k every step, the default), ``"batch_size"`` (k from a schedule over the
@@ -311,7 +321,7 @@ class SpeculativeConfig:
     tree: str | None = None
     tree_choices: list[list[int]] | None = None
     tree_topk: int = 4
-    max_tree_nodes: int = 16
+    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES
     drafter_kwargs: dict | None = None
     policy: str = "static"
     policy_kwargs: dict | None = None

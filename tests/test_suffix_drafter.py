@@ -297,7 +297,8 @@ def test_suffix_fields_belong_to_suffix_and_hybrid_and_trees_are_dynamic():
     ):
         with pytest.raises(ConfigError, match=message):
             SpeculativeConfig("hybrid", hybrid_members=bad)
-    assert SpeculativeConfig("suffix", tree="dynamic").num_draft_slots == 16
+    # max_tree_nodes' default: 15 drafts, 16 rows with the root
+    assert SpeculativeConfig("suffix", tree="dynamic").num_draft_slots == 15
     # A learned member: the config's model is its heads (a built-in head when None); without one, no model.
     from specdec.drafters.registry import model_method
 

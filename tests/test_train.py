@@ -31,6 +31,7 @@ from experiments.train import (
     split_heldout,
     training_prompts,
 )
+from specdec.config import DEFAULT_MAX_TREE_NODES
 from tests.conftest import make_tiny_hf_model
 
 
@@ -60,8 +61,10 @@ def test_train_config_composes(hydra_conf, drafter, schema):
         "tree": None,
         "tree_choices": None,
         "tree_topk": 4,
-        "max_tree_nodes": 16,
+        "max_tree_nodes": 15,
     }
+    # the Hydra default is the library's: a 16-row verification step with the root
+    assert spec["max_tree_nodes"] == DEFAULT_MAX_TREE_NODES
     cfg = load_train_cfg(f"drafter={drafter}", "drafter.tree_choices=[[0],[1],[0,0]]", "drafter.model=x")
     assert cfg.drafter.speculative_config()["tree_choices"] == [[0], [1], [0, 0]]
 
