@@ -69,7 +69,8 @@ another benchmark): a neighbour's load shifts cells unequally. On a shared VM on
 about ±5 %, the size of the 0.95 margin of the targets: use ``repeats`` >= 2 for figures. A drafter's
 engine reserves KV slots and batch budget for its largest k (``max(num_speculative_tokens, static_k)``)
 whatever depth a policy chooses, as one serving engine would; a static k = j row is therefore not an
-engine built with k = j. Policies that learn (goodput) start afresh in every cell; a policy's one-time
+engine built with k = j. Policies that learn (goodput) start afresh in every cell unless
+``keep_policies=true`` (one policy per drafter, policy and concurrency across the passes); a policy's one-time
 start-up work (the engine's step-cost profile for goodput and ucb, once per engine or loaded from
 the step-cost cache, :mod:`specdec.engine.cost_profile`) runs untimed, before the cells
 (``engine.prepare_policy``). On a 2-core CPU the defaults (6 concurrencies, 32 requests × 128 tokens per
@@ -122,13 +123,38 @@ _SUMMARY_KEYS = ("tokens_per_s", "speedup", "tpot_p50_ms", "tpot_p99_ms", "tau",
 class DepthRecorder:
     """A policy as the engine sees it during one cell: the wrapped policy's answers, capped at ``k``
     (the policy's own k, below the engine's when ``static_k`` goes deeper), and the depth each request
-    was granted per step, for ``mean_depth``. Anything else (``observe_step``...) is the policy's."""
+    was granted per step, for ``mean_depth``. Anything else (``observe_step``...) is the policy's.
 
-    def __init__(self, policy: Any, k: int) -> None:
+    ``kept``: the recorder (and its policy) is re-assigned to the engine in later passes
+    (``keep_policies``). The engine hands a newly assigned policy its step-cost profile again, and the
+    goodput policy's ``set_step_costs`` replaces its cost curve and forgets the corrections learned on
+    it; a kept recorder passes the profile on the first time only (the engine's profile does not
+    change). :meth:`new_cell` restarts ``mean_depth``'s counts."""
+
+    def __init__(self, policy: Any, k: int, kept: bool = False) -> None:
         self.policy = policy
         self.k = k
+        self.kept = kept
+        self._costs_given: set[str] = set()
         self.total = 0
         self.count = 0
+
+    def new_cell(self) -> None:
+        """Restart the granted-depth counts (a kept policy's next cell)."""
+        self.total = self.count = 0
+
+    def _once(self, name: str, fn: Any) -> Any:
+        """``fn`` (the policy's ``set_step_costs`` or ``set_draft_costs``), a no-op after its first
+        successful call when the recorder is kept."""
+
+        def give(*args: Any, **kwargs: Any) -> Any:
+            if self.kept and name in self._costs_given:
+                return None
+            out = fn(*args, **kwargs)
+            self._costs_given.add(name)  # after the call: a call that raised is tried again next time
+            return out
+
+        return give
 
     def decide(self, batch: list[Any]) -> list[Any]:
         answers = list(self.policy.decide(batch))
@@ -155,9 +181,12 @@ class DepthRecorder:
         return self.total / self.count if self.count else None
 
     def __getattr__(self, name: str) -> Any:
-        if name == "policy":  # not set yet (copying): no recursion
+        if name in ("policy", "kept", "_costs_given"):  # not set yet (copying): no recursion
             raise AttributeError(name)
-        return getattr(self.policy, name)
+        attr = getattr(self.policy, name)  # AttributeError where the policy has none, as the engine expects
+        if name in ("set_step_costs", "set_draft_costs"):
+            return self._once(name, attr)
+        return attr
 
 
 def _policy(name: str, k: int, tree: bool, kwargs: dict[str, Any] | None) -> Any:
@@ -320,6 +349,7 @@ def run_drafter(
         llm.engine.prepare_policy()
     cells = _cells(cfg)
     rows, plain_passes = [], {}
+    kept: dict[tuple[str, int], DepthRecorder] = {}  # keep_policies: (policy, concurrency) -> its recorder
     for c in cfg.concurrency:
         passes: list[list[dict[str, Any]]] = [[] for _ in cells]
         for rep in range(cfg.repeats):
@@ -332,7 +362,13 @@ def run_drafter(
                     continue
                 # a policy with its own k; a fixed depth j <= the engine's k through the static policy
                 kk = k if system == "policy" else cfg.engine_k
-                policy = DepthRecorder(_policy(name, kk, tree, kwargs), kk)
+                keep = cfg.keep_policies and system == "policy"
+                policy = kept.get((name, c)) if keep else None
+                if policy is None:
+                    policy = DepthRecorder(_policy(name, kk, tree, kwargs), kk, kept=keep)
+                    if keep:
+                        kept[(name, c)] = policy
+                policy.new_cell()
                 llm.engine.policy = policy
                 cell, outputs = run_cell(llm, prompts, c, cfg.rounds(c), params, cfg.arrivals)
                 cell["mean_depth"] = policy.mean_depth

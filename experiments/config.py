@@ -919,6 +919,10 @@ class ConcurrencyConfig:
         share_target: every drafter's engine runs over the plain engine's target weights
             (``LLM.with_speculation``: the same bytes on the same pages, the target in memory once; an eager
             engine only, a compiled one loads its own); False: each engine loads its own.
+        keep_policies: one policy object per drafter, policy and concurrency, kept across the ``repeats``
+            passes, as a long-lived serving engine keeps its policy (what goodput learned, its population
+            acceptance and corrected step costs, carries into the next pass); False: a fresh policy in
+            every cell and pass. Static rows are unaffected.
     """
 
     model: ModelConfig = MISSING
@@ -945,6 +949,7 @@ class ConcurrencyConfig:
     repeats: int = 1
     arrivals: str = "together"
     share_target: bool = True
+    keep_policies: bool = False
 
     @property
     def engine_k(self) -> int:

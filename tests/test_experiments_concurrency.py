@@ -121,6 +121,86 @@ def test_depth_recorder_caps_and_delegates():
     assert getattr(DepthRecorder(object(), 1), "observe_step", None) is None
 
 
+def test_kept_depth_recorder_hands_the_profile_over_once():
+    """A kept recorder is re-assigned to the engine each pass, and the engine hands a newly assigned policy
+    its profile again; the goodput policy would forget its learned corrections, so a kept recorder passes
+    the profile on once. A fresh one passes every call on; a missing hook stays missing."""
+    from experiments.concurrency import DepthRecorder
+
+    class Learning:
+        def __init__(self):
+            self.calls = []
+
+        def set_step_costs(self, step_s):
+            self.calls.append(("step", step_s))
+
+        def set_draft_costs(self, per_position, catch_up_s_per_token=0.0):
+            self.calls.append(("draft", per_position, catch_up_s_per_token))
+
+    inner = Learning()
+    kept = DepthRecorder(inner, 2, kept=True)
+    for _ in range(3):
+        kept.set_step_costs({1: 0.01})
+        kept.set_draft_costs({1: 0.002}, catch_up_s_per_token=0.001)
+    assert inner.calls == [("step", {1: 0.01}), ("draft", {1: 0.002}, 0.001)]
+    fresh_inner = Learning()
+    fresh = DepthRecorder(fresh_inner, 2)
+    fresh.set_step_costs({1: 0.01})
+    fresh.set_step_costs({1: 0.02})
+    assert fresh_inner.calls == [("step", {1: 0.01}), ("step", {1: 0.02})]
+    assert getattr(DepthRecorder(object(), 1, kept=True), "set_draft_costs", None) is None
+    kept.total, kept.count = 5, 2
+    kept.new_cell()
+    assert kept.mean_depth is None
+
+
+def test_keep_policies_builds_one_policy_per_concurrency(
+    hydra_conf, tiny_model_dirs, fast_cpu_settings, monkeypatch
+):
+    """keep_policies=true: the goodput rows of every pass at one concurrency run one policy object (built
+    once per concurrency, plus the untimed profiling one), static rows a fresh one per pass; outputs stay
+    plain decoding's (float32 greedy)."""
+    import experiments.concurrency as conc
+
+    built: list[tuple[str, int]] = []
+    make = conc._policy
+
+    def counting(name, k, tree, kwargs):
+        policy = make(name, k, tree, kwargs)
+        built.append((name, id(policy)))
+        return policy
+
+    monkeypatch.setattr(conc, "_policy", counting)
+    target = tiny_model_dirs["llama-gqa3-tied"]
+    cfg = conc_cfg(
+        f"model.name={target}",
+        "dataset=synthetic",
+        "dataset.limit=3",
+        "dataset.prompt_len=16",
+        "drafters=[ngram]",
+        "policies=[goodput]",
+        "num_speculative_tokens=2",
+        "static_k=[1]",
+        "concurrency=[1,2]",
+        "max_tokens=8",
+        "min_requests=2",
+        "engine=cpu",
+        "engine.dtype=float32",
+        "engine.torch_threads=1",
+        "repeats=3",
+        "keep_policies=true",
+        "plots=false",
+    )
+    result = conc.run_concurrency(cfg, out_dir=None)
+    goodput = [i for name, i in built if name == "goodput"]
+    static = [i for name, i in built if name == "static"]
+    assert len(goodput) == 1 + 2  # the profiling one, then one per concurrency for all 3 passes
+    assert len(static) == 3 * 2  # a fresh static policy per pass and concurrency
+    rows = [r for r in result["rows"] if r["label"] == "goodput"]
+    assert len(rows) == 2 and all(len(r["tokens_per_s_passes"]) == 3 for r in rows)
+    assert all(r["greedy_equal"] is True for r in result["rows"])
+
+
 def _row(drafter, system, label, c, tps, k=None):
     return {
         "drafter": drafter,
