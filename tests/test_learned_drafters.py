@@ -133,6 +133,52 @@ def test_random_heads_greedy_equality(random_setup, name, batch):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_paged_tree_drafting_equals_the_dense_reference(random_setup, monkeypatch, batch):
+    """EAGLE-2 trees drafted level by level through the paged, tree-masked segment (the layer stack's
+    path) propose the same trees as the dense reference path (float32, random heads), and both equal
+    plain greedy decoding. Negative control: a mask that lets every fed node see all the others
+    changes the drafts."""
+    from specdec.drafters.eagle import EagleDrafter
+
+    prompts = _prompts(batch, VOCAB)
+    max_tokens = [17 + 3 * i for i in range(batch)]
+    spec = dict(SPECS["eagle-tree"], model=str(random_setup / "eagle"))
+    base, _ = _run(random_setup / "target", prompts, max_tokens)
+    tree = EagleDrafter._tree
+
+    def drafted(paged: bool, see_all: bool = False) -> list[tuple[list[int], list[int] | None]]:
+        trees: list[tuple[list[int], list[int] | None]] = []
+
+        def recording(self, x, root_feature):
+            proposal = tree(self, x, root_feature)
+            trees.append((list(proposal.token_ids), proposal.parents))
+            return proposal
+
+        monkeypatch.setattr(EagleDrafter, "_tree", recording)
+        monkeypatch.setattr(EagleDrafter, "paged_tree", paged)
+        if see_all:
+            import specdec.drafters.eagle as eagle_module
+
+            real = eagle_module.Segment
+
+            def unmasked(*args, **kwargs):
+                if kwargs.get("mask") is not None:
+                    kwargs["mask"] = torch.ones_like(kwargs["mask"])
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(eagle_module, "Segment", unmasked)
+        got, _ = _run(random_setup / "target", prompts, max_tokens, spec)
+        assert got == base
+        monkeypatch.undo()
+        return trees
+
+    paged, dense = drafted(True), drafted(False)
+    assert len(paged) > 5 and any(len(p) > 4 for p, _ in paged)
+    assert paged == dense
+    assert drafted(True, see_all=True) != dense
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_eagle_chains_cut_by_draft_stop_probability_stay_greedy_equal(random_setup, batch):
     """``draft_stop_probability``: a chain stops after a draft whose head distribution gives its top token

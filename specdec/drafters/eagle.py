@@ -18,8 +18,9 @@ up to ``L - 2``, whose last output predicts the first draft, then drafts:
   speculative positions' K/V is overwritten by the next catch-up.
 - **dynamic tree** (``tree="dynamic"``): at depth 1 the root's top ``tree_topk`` tokens; at each further
   depth the ``tree_topk`` nodes of the previous depth with the highest cumulative draft log-probability
-  are fed to the head (tree attention among them, over a dense copy of the request's head K/V) and each
-  gets its top ``tree_topk`` children; finally the ``max_tree_nodes`` best nodes of all depths are kept
+  are fed to the head (each sees the context, its fed ancestors and itself: every fed node re-fed as one
+  tree-masked segment in the step's reserved slots, through the layer stack, where they fit; else over a
+  dense copy of the request's head K/V) and each gets its top ``tree_topk`` children; finally the ``max_tree_nodes`` best nodes of all depths are kept
   (:func:`specdec.drafters.tree.select_top_nodes`).
 
 With prefix caching, head positions inside reused blocks are not recomputed: they hold whatever head K/V
@@ -130,6 +131,10 @@ class EagleDrafter(DrafterBase):
     vocab: DraftVocab | None = None
     #: Draft logits come from the target's LM head (EAGLE-3's head has its own).
     drafts_through_target_lm_head = True
+    #: Dynamic trees: each level re-feeds the fed nodes as one paged, tree-masked segment where they fit
+    #: the step's reserved slots (the layer stack's path); False: always the dense reference path (the
+    #: tests compare the two).
+    paged_tree = True
 
     def __init__(self, ctx: DrafterContext, head: EagleHead | None = None) -> None:
         target, config = ctx.target, ctx.config
@@ -321,18 +326,29 @@ class EagleDrafter(DrafterBase):
         return proposals
 
     def _tree(self, x: DraftInput, root_feature: torch.Tensor) -> DraftProposal:
-        """EAGLE-2's dynamic tree for one request."""
+        """EAGLE-2's dynamic tree for one request.
+
+        Each level's forward sees the context, the node's fed ancestors and itself. Where every node the
+        tree can feed (``tree_topk × (depth - 1)``) fits in the KV slots the step reserved for the request
+        (its last token's and ``max_tree_nodes`` drafts'), each level re-feeds all fed nodes as one paged
+        segment at the context's end with their tree attention mask (the layer stack's path, as the
+        target verifies a tree; the slots are scratch, the next catch-up overwrites them); otherwise the
+        level feeds its new nodes alone over a dense copy of the request's head K/V. Both compute the same
+        attention."""
         cfg = self.config
         req = x.request
         topk, depth_limit = cfg.tree_topk, x.max_drafts
         budget = max(1, min(cfg.max_tree_nodes, x.max_tree_nodes))
         context = req.num_tokens - 1  # head positions 0 .. L-2
-        blocks = torch.tensor(req.block_ids[: -(-context // self.block_size)], device=self.device)
-        assert self.kv_cache is not None, "bind_kv allocates the head's KV"
-        k_cache, v_cache = self.kv_cache
-        attn = _DenseTreeAttention(
-            k_cache[blocks].flatten(0, 1)[:context], v_cache[blocks].flatten(0, 1)[:context]
-        )
+        paged = self.paged_tree and topk * max(0, depth_limit - 1) <= x.max_tree_nodes + 1
+        attn: _DenseTreeAttention | None = None
+        if not paged:
+            blocks = torch.tensor(req.block_ids[: -(-context // self.block_size)], device=self.device)
+            assert self.kv_cache is not None, "bind_kv allocates the head's KV"
+            k_cache, v_cache = self.kv_cache
+            attn = _DenseTreeAttention(
+                k_cache[blocks].flatten(0, 1)[:context], v_cache[blocks].flatten(0, 1)[:context]
+            )
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
@@ -347,23 +363,47 @@ class EagleDrafter(DrafterBase):
             parents.append(-1)
             scores.append(lp)
         node_feature = {c: root_feature for c in frontier}  # feature each node was predicted from
+        fed_depth: list[int] = []  # position offset of each fed node (its depth - 1)
         for depth in range(2, depth_limit + 1):
             expand = sorted(frontier, key=lambda c: -scores[c])[:topk]
-            # Each fed node sees the context, its fed ancestors and itself.
-            visible = torch.zeros(len(expand), context + len(fed) + len(expand), dtype=torch.bool)
-            visible[:, :context] = True
-            for r, c in enumerate(expand):
-                a = parents[c]
-                while a >= 0:
-                    visible[r, context + fed.index(a)] = True
-                    a = parents[a]
-                visible[r, context + len(fed) + r] = True
-            attn.visible = visible.to(self.device)
-            embeds = self.target.embed_tokens(torch.tensor([tokens[c] for c in expand], device=self.device))
-            feats = torch.stack([node_feature[c] for c in expand])
-            positions = torch.full((len(expand),), context - 1 + depth - 1, device=self.device)
-            out = self.head(embeds.to(self.dtype), feats, positions, (None, None), None, attn)
-            fed.extend(expand)
+            if attn is None:  # all fed nodes again, then the new ones: one paged segment, tree-masked
+                fed_depth.extend([depth - 2] * len(expand))
+                fed.extend(expand)
+                n = len(fed)
+                mask = torch.eye(n, dtype=torch.bool)
+                slot = {c: j for j, c in enumerate(fed)}
+                for j, c in enumerate(fed):
+                    a = parents[c]
+                    while a >= 0:
+                        mask[j, slot[a]] = True
+                        a = parents[a]
+                seg = Segment(
+                    req.block_ids,
+                    context,
+                    [tokens[c] for c in fed],
+                    len(expand),
+                    positions=[context + d for d in fed_depth],
+                    mask=mask,
+                )
+                out = self._run([seg], torch.stack([node_feature[c] for c in fed]))
+            else:
+                # Each fed node sees the context, its fed ancestors and itself.
+                visible = torch.zeros(len(expand), context + len(fed) + len(expand), dtype=torch.bool)
+                visible[:, :context] = True
+                for r, c in enumerate(expand):
+                    a = parents[c]
+                    while a >= 0:
+                        visible[r, context + fed.index(a)] = True
+                        a = parents[a]
+                    visible[r, context + len(fed) + r] = True
+                attn.visible = visible.to(self.device)
+                embeds = self.target.embed_tokens(
+                    torch.tensor([tokens[c] for c in expand], device=self.device)
+                )
+                feats = torch.stack([node_feature[c] for c in expand])
+                positions = torch.full((len(expand),), context - 1 + depth - 1, device=self.device)
+                out = self.head(embeds.to(self.dtype), feats, positions, (None, None), None, attn)
+                fed.extend(expand)
             logp = torch.log_softmax(self._logits(out), dim=-1)
             top = logp.topk(topk)
             frontier = []
