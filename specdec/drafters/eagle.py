@@ -20,8 +20,8 @@ up to ``L - 2``, whose last output predicts the first draft, then drafts:
   depth the ``tree_topk`` nodes of the previous depth with the highest cumulative draft log-probability
   are fed to the head (each sees the context, its fed ancestors and itself: every fed node re-fed as one
   tree-masked segment in the step's reserved slots, through the layer stack, where they fit; else over a
-  dense copy of the request's head K/V) and each gets its top ``tree_topk`` children; finally the ``max_tree_nodes`` best nodes of all depths are kept
-  (:func:`specdec.drafters.tree.select_top_nodes`).
+  dense copy of the request's head K/V) and each gets its top ``tree_topk`` children; finally the
+  ``max_tree_nodes`` best nodes of all depths are kept (:func:`specdec.drafters.tree.select_top_nodes`).
 
 With prefix caching, head positions inside reused blocks are not recomputed: they hold whatever head K/V
 was written there, the earlier request's (equal, features being deterministic given the tokens) when it
@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from sampling.sampler import argmax_rows
+from sampling.token_tree import TokenTree
 from specdec.attention.base import AttentionMetadata
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal
 from specdec.drafters.draft_vocab import DraftVocab, drafting_vocab
@@ -363,27 +364,19 @@ class EagleDrafter(DrafterBase):
             parents.append(-1)
             scores.append(lp)
         node_feature = {c: root_feature for c in frontier}  # feature each node was predicted from
-        fed_depth: list[int] = []  # position offset of each fed node (its depth - 1)
         for depth in range(2, depth_limit + 1):
             expand = sorted(frontier, key=lambda c: -scores[c])[:topk]
             if attn is None:  # all fed nodes again, then the new ones: one paged segment, tree-masked
-                fed_depth.extend([depth - 2] * len(expand))
                 fed.extend(expand)
-                n = len(fed)
-                mask = torch.eye(n, dtype=torch.bool)
-                slot = {c: j for j, c in enumerate(fed)}
-                for j, c in enumerate(fed):
-                    a = parents[c]
-                    while a >= 0:
-                        mask[j, slot[a]] = True
-                        a = parents[a]
+                slot = {c: j for j, c in enumerate(fed)}  # a fed node's parent was fed before it
+                sub = TokenTree(tuple(tokens[c] for c in fed), tuple(slot.get(parents[c], -1) for c in fed))
                 seg = Segment(
                     req.block_ids,
                     context,
-                    [tokens[c] for c in fed],
+                    list(sub.token_ids),
                     len(expand),
-                    positions=[context + d for d in fed_depth],
-                    mask=mask,
+                    positions=[context - 1 + d for d in sub.depths()],
+                    mask=sub.attention_mask(num_prefix=0),
                 )
                 out = self._run([seg], torch.stack([node_feature[c] for c in fed]))
             else:
