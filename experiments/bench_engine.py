@@ -5,7 +5,9 @@ transformers_static_batch=[16] ignore_eos=true`` measures the same with Hydra co
 
 Same model, prompts, dtype and process. Reports tokens/s at batch 1, our throughput at 4 and 16
 concurrent requests against transformers' static batch of 16, and the memory-bandwidth floor: the
-weight bytes a decode step must read ÷ this machine's measured read bandwidth.
+weight bytes a decode step must read ÷ this machine's measured read bandwidth. Prefill: prompt tokens/s
+of one ``prefill_tokens``-token prompt (time to first token) against transformers' forward over it and
+llama.cpp's ``llama-bench -p``.
 
     python -m experiments.bench_engine dtype=bfloat16 max_tokens=128
     python -m experiments.bench_engine dtype=float32 'batch_sizes=[1,4]' skip_hf_batch=true out=engine.json
@@ -57,6 +59,10 @@ class BenchEngineConfig(HarnessConfig):
         of the same weights in the same run (``llama-bench -n max_tokens``, this process's threads),
         rows ``llama_cpp_*``, our ratio to it, and the floor at the bandwidth llama.cpp streams. None, a
         folder without them, or another model: skipped (``llama_cpp_skipped`` says why).
+    prefill_tokens: prompt length of the prefill rows (``*_prefill_tokens_per_s``: a prompt of random
+        token ids, new each time so that no prefix-cache hit shortens it, one token generated; medians
+        of ``prefill_repeats``; llama.cpp: ``llama-bench -p``); 0 skips them.
+    prefill_repeats: timed prefills of each system (after one warm-up).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -66,11 +72,15 @@ class BenchEngineConfig(HarnessConfig):
     skip_hf_batch: bool = False
     compile: bool = True
     llama_cpp_dir: str | None = "/tmp/llama-cpp-peer"
+    prefill_tokens: int = 512
+    prefill_repeats: int = 5
 
     def validate(self) -> None:
         super().validate()
         require_choice("dtype", self.dtype, ("float32", "bfloat16"))
-        require_positive(self, "max_tokens")
+        require_positive(self, "max_tokens", "prefill_repeats")
+        if type(self.prefill_tokens) is not int or self.prefill_tokens < 0:
+            raise ConfigError(f"prefill_tokens must be an integer >= 0, got {self.prefill_tokens!r}")
         require_positive_list("batch_sizes", self.batch_sizes)
         if 1 not in self.batch_sizes:
             raise ConfigError(
@@ -106,6 +116,45 @@ def bench_ours(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
     return timed.tokens_per_s
 
 
+def prefill_prompts(vocab_size: int, length: int, count: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` random token ids (seeded; ids past the first 100, which hold most
+    special tokens), distinct, so that prefix caching never shortens a timed prefill."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(100, vocab_size, (count, length), generator=g).tolist()
+
+
+def bench_ours_prefill(llm: Any, prompts: list[list[int]]) -> float:
+    """Our prompt tokens/s: one request per prompt, one token generated (time to first token), the
+    first prompt a warm-up; the median of the rest."""
+    import statistics
+    import time
+
+    from sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], params)
+        times.append(time.perf_counter() - t0)
+    return len(prompts[0]) / statistics.median(times[1:])
+
+
+def bench_hf_prefill(hf_model: Any, prompts: list[list[int]]) -> float:
+    """transformers' prompt tokens/s: one eager forward over each prompt (logits of every position, as
+    ``generate``'s first step computes), the first a warm-up; the median of the rest."""
+    import statistics
+    import time
+
+    times = []
+    with torch.inference_mode():
+        for ids in prompts:
+            t0 = time.perf_counter()
+            hf_model(torch.tensor([ids]))
+            times.append(time.perf_counter() - t0)
+    return len(prompts[0]) / statistics.median(times[1:])
+
+
 def run(cfg: BenchEngineConfig) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -139,6 +188,12 @@ def run(cfg: BenchEngineConfig) -> dict[str, Any]:
     }
     for b in cfg.batch_sizes:
         result[f"ours_tokens_per_s_batch{b}"] = bench_ours(llm, prompts[:b], cfg.max_tokens)
+    if cfg.prefill_tokens:
+        long_prompts = prefill_prompts(
+            llm.engine.model_cfg.vocab_size, cfg.prefill_tokens, cfg.prefill_repeats + 1
+        )
+        result["prefill_tokens"] = cfg.prefill_tokens
+        result["ours_prefill_tokens_per_s"] = bench_ours_prefill(llm, long_prompts)
     del llm
     if cfg.compile:
         import time
@@ -159,6 +214,11 @@ def run(cfg: BenchEngineConfig) -> dict[str, Any]:
         del llm
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     result["hf_tokens_per_s_batch1"] = bench_hf(hf_model, prompts[:1], cfg.max_tokens, pad)
+    if cfg.prefill_tokens:
+        result["hf_prefill_tokens_per_s"] = bench_hf_prefill(hf_model, long_prompts)
+        result["prefill_speedup_vs_hf"] = (
+            result["ours_prefill_tokens_per_s"] / result["hf_prefill_tokens_per_s"]
+        )
     if not cfg.skip_hf_batch and 16 in cfg.batch_sizes:
         result["hf_tokens_per_s_static_batch16"] = bench_hf(hf_model, prompts[:16], cfg.max_tokens, pad)
     result["speedup_batch1_vs_hf"] = result["ours_tokens_per_s_batch1"] / result["hf_tokens_per_s_batch1"]
@@ -181,6 +241,10 @@ def run(cfg: BenchEngineConfig) -> dict[str, Any]:
     if "llama_cpp_tokens_per_s_batch1" in result:
         result["ours_vs_llama_cpp_batch1"] = (
             result["ours_tokens_per_s_batch1"] / result["llama_cpp_tokens_per_s_batch1"]
+        )
+    if "llama_cpp_prefill_tokens_per_s" in result and "ours_prefill_tokens_per_s" in result:
+        result["prefill_ours_vs_llama_cpp"] = (
+            result["ours_prefill_tokens_per_s"] / result["llama_cpp_prefill_tokens_per_s"]
         )
         result["fraction_of_llama_cpp_floor_batch1"] = result["ours_vs_llama_cpp_batch1"]
     return result
@@ -208,7 +272,7 @@ def bench_llama_cpp(cfg: BenchEngineConfig, weight_bytes: int) -> dict[str, Any]
         "-m",
         str(gguf),
         "-p",
-        "0",
+        str(cfg.prefill_tokens),
         "-n",
         str(cfg.max_tokens),
         "-t",
@@ -220,14 +284,20 @@ def bench_llama_cpp(cfg: BenchEngineConfig, weight_bytes: int) -> dict[str, Any]
     ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
-        tps = float(json.loads(out)[0]["avg_ts"])
-    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as e:
+        # One entry per test: prompt processing (n_gen 0, when -p > 0), then generation (n_prompt 0).
+        tests = json.loads(out)
+        tps = next(float(t["avg_ts"]) for t in tests if int(t.get("n_gen", 0)) > 0)
+        pp = [float(t["avg_ts"]) for t in tests if int(t.get("n_prompt", 0)) > 0 and not t.get("n_gen")]
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError, StopIteration) as e:
         return {"llama_cpp_skipped": f"llama-bench failed: {type(e).__name__}: {e}"}
-    return {
+    result = {
         "llama_cpp_tokens_per_s_batch1": tps,
         "llama_cpp_GBps": weight_bytes * tps / 1e9,
         "llama_cpp_command": " ".join(cmd),
     }
+    if pp:
+        result["llama_cpp_prefill_tokens_per_s"] = pp[0]
+    return result
 
 
 #: ``main()``: Hydra's command line; ``main(["dtype=float32"])``: compose, run, return the result. The

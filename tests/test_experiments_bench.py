@@ -129,11 +129,16 @@ def test_bench_engine_reads_llama_cpp_when_built(tmp_path):
     (tmp_path / "build" / "bin").mkdir(parents=True)
     (tmp_path / "smollm2-bf16.gguf").write_bytes(b"")
     fake = tmp_path / "build" / "bin" / "llama-bench"
-    fake.write_text('#!/bin/sh\necho \'[{"n_gen": 16, "avg_ts": 101.5, "stddev_ts": 1.0}]\'\n')
+    tests = '[{"n_prompt": 512, "n_gen": 0, "avg_ts": 650.0}, {"n_prompt": 0, "n_gen": 16, "avg_ts": 101.5}]'
+    fake.write_text(f"#!/bin/sh\necho '{tests}'\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     row = bench_llama_cpp(cfg, 2 * 10**8)
     assert row["llama_cpp_tokens_per_s_batch1"] == 101.5
+    assert row["llama_cpp_prefill_tokens_per_s"] == 650.0
     assert row["llama_cpp_GBps"] == pytest.approx(20.3)
-    assert "-n 16" in row["llama_cpp_command"]
+    assert "-p 512 -n 16" in row["llama_cpp_command"]
+    fake.write_text('#!/bin/sh\necho \'[{"n_gen": 16, "avg_ts": 101.5}]\'\n')  # prefill skipped (-p 0)
+    row = bench_llama_cpp(cfg, 2 * 10**8)
+    assert row["llama_cpp_tokens_per_s_batch1"] == 101.5 and "llama_cpp_prefill_tokens_per_s" not in row
     other = BenchEngineConfig(llama_cpp_dir=str(tmp_path), model="qwen2.5-coder-0.5b-instruct")
     assert "SmolLM2 only" in bench_llama_cpp(other, 10**8)["llama_cpp_skipped"]

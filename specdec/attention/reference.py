@@ -326,10 +326,16 @@ class ReferenceAttention:
             k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
             if softcap is not None:
                 o = explicit_attention(q, k, v, p.mask, scale, softcap)
-            elif p.mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
+                # Batched 4-D operands ([1, H, q, D], the mask [1, 1, q, k]): on the CPU, 3-D ones take
+                # SDPA's unfused math path (bmm, softmax, masking), 4-D ones its fused flash kernel. A
+                # 100-token chunk after 200 tokens, SmolLM2's heads, bfloat16, 2-core AMX: 1.79 -> 0.23 ms
+                # a layer; a whole 100-token chunk's forward 66 -> ~35 ms.
+                mask = None if p.mask is None else p.mask[None, None]
+                o = F.scaled_dot_product_attention(
+                    q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
+                    enable_gqa=gqa,
+                )[0]  # fmt: skip
             out[rows] = o.transpose(0, 1)
 
     def _short(
