@@ -515,6 +515,81 @@ def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
         build_policy("goodput", PolicyContext(4), {"calibrate": "yes"})
 
 
+def _simulated_goodput(calibrate_costs: bool, acceptance: float, batch: int = 16, steps: int = 400):
+    """A goodput policy over ``steps`` simulated decode steps of ``batch`` requests: its profile prices
+    each extra batched token at 1 % of a one-token step, the machine at 3 % (plus drafting, 0.5 ms a
+    position), and the drafter proposes 1 .. granted drafts, each accepted with ``acceptance`` (seeded).
+    Returns (committed tokens per second ÷ plain decoding's, the policy)."""
+    import random
+    from types import SimpleNamespace
+
+    from specdec.metrics import SpecStats
+    from specdec.policies import StepObservation
+
+    rng = random.Random(0)
+    profile = [[n, 0.010 * (1 + 0.01 * (n - 1))] for n in (1, 8, 16, 32, 64, 96)]
+    policy = build_policy(
+        "goodput", PolicyContext(4), {"step_s": profile, "calibrate_costs": calibrate_costs}
+    )
+    reqs = [
+        SimpleNamespace(
+            spec_stats=SpecStats(4), request_id=str(i), token_ids=[1], num_output_tokens=0,
+            sampling_params=SimpleNamespace(max_tokens=10**6),
+        )
+        for i in range(batch)
+    ]  # fmt: skip
+    seconds = committed = 0.0
+    for _ in range(steps):
+        depths = policy.decide([PolicyInput(r, 4, batch, batch) for r in reqs])
+        tokens, per_request = batch, []
+        for r, d in zip(reqs, depths):
+            r.num_output_tokens += 1
+            committed += 1
+            if d:
+                proposed = rng.randint(1, d)
+                accepted = 0
+                while accepted < proposed and rng.random() < acceptance:
+                    accepted += 1
+                st = r.spec_stats
+                st.num_drafts, st.num_draft_tokens = st.num_drafts + 1, st.num_draft_tokens + proposed
+                st.num_accepted_tokens += accepted
+                for j in range(proposed):
+                    st.drafted_per_position[j] += 1
+                    st.accepted_per_position[j] += j < accepted
+                tokens += proposed
+                committed += accepted
+                per_request.append((proposed, accepted))
+        target_s = 0.010 * (1 + 0.03 * (tokens - 1)) * rng.uniform(0.95, 1.05)
+        draft_s = 0.0005 * max(depths)
+        seconds += target_s + draft_s
+        depth = max((p for p, _ in per_request), default=0)
+        policy.observe_step(StepObservation(tokens, target_s, draft_s, depth, tuple(per_request)))
+    plain = batch / (0.010 * (1 + 0.03 * (batch - 1)))
+    return committed / seconds / plain, policy
+
+
+def test_goodput_cost_calibration_stops_drafts_the_cost_model_prices_low():
+    # The profile prices drafts at a third of what they cost, and a drafting step's shape (how many drafts
+    # the drafter found) seldom repeats: the cost model's corrections follow the plain steps, and without
+    # the cost calibration goodput drafts at every step at 30 % acceptance, below plain decoding. Settling
+    # the drafting steps' extra seconds against their prediction stops it after its first drafting step.
+    speed, policy = _simulated_goodput(False, 0.3)
+    assert speed < 0.97 and sum(d > 0 for _, d in policy.history) == 400 and policy.cost_calibration == 1.0
+    speed, policy = _simulated_goodput(True, 0.3)
+    assert speed > 0.99 and sum(d > 0 for _, d in policy.history) <= 2 and policy.cost_calibration > 1.5
+    # Where drafts pay (60 %), it drafts on, as fast as without it (the realised extra seconds match the
+    # corrected predictions: calibration ~1).
+    fast, policy = _simulated_goodput(True, 0.6)
+    assert fast > 1.1 and fast == pytest.approx(_simulated_goodput(False, 0.6)[0], rel=0.02)
+    assert policy.cost_calibration == pytest.approx(1.0, abs=0.1)
+    # Frozen costs (the deterministic mode) take no measured time: no cost calibration.
+    frozen = build_policy("goodput", PolicyContext(4), {"step_s": [[1, 0.01]], "frozen": True})
+    assert not frozen.calibrate_costs and frozen.cost_calibration == 1.0
+    for bad in ({"calibrate_costs": 1}, {"cost_calibration_weight": 0}, {"cost_calibration_weight": True}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            build_policy("goodput", PolicyContext(4), bad)
+
+
 def test_goodput_drafts_only_by_its_margin_over_plain_decoding():
     # One request, each token a quarter of a step (1 + 0.25 d steps for d drafts), every draft accepted
     # with probability q: one draft's rate (1 + q) / 1.25 beats plain's 1 by 2.4 % at q = 0.28, by 4 %

@@ -36,6 +36,19 @@ candidate are scaled by ``(accepted + w) / (predicted + w)`` over the settled de
 capped at the depth. Probes are not settled (their prediction is the hope, not the estimate) and are not
 scaled. A function of the token history.
 
+Cost calibration (``calibrate_costs``): the same curse reaches the costs. A step shape the policy picks is
+one whose cost it priced low, and the cost model learns from the counts played (its profile times the
+forward alone; verification, commit and drafting grow with the drafting requests): at 32 requests on
+SmolLM2 (suffix decoding, 2-core AMX) it priced a 64-token step 1.17x a 32-token one where the engine's
+took about 1.26x, and drafted at 0.90-0.94x plain. So each decode step that drafted settles its
+cost: seconds beyond the plain step's (``target_s`` of the step's tokens without drafts,
+at decision time): the cost model's prediction of the step as it ran (the drafts proposed), before the
+step corrects it, against its measured seconds (forward, verification, commit and drafting; catch-up
+forwards aside), both beyond that plain step's and as fractions of it, summed with
+``calibration_decay``, and every candidate's seconds beyond the plain step's are scaled by
+``(realised + w) / (predicted + w)`` (``w = cost_calibration_weight`` plain steps; clipped to
+``[1/4, 4]``). Measured times, so off when the costs are frozen.
+
 Exact: the depth is decided from committed history and costs before the step's drafts exist. With
 ``frozen=True`` the costs are fixed (given as ``step_s``, or the profiled / cached ones) and decisions
 depend on the token history alone, so seeded runs over the same costs repeat exactly; otherwise they
@@ -92,6 +105,11 @@ class GoodputPolicy(PolicyBase):
             every decision counts alike).
         charge_catch_up: charge a request's drafting steps for the drafter's catch-up on its backlog
             (:meth:`charges`); False: drafting looks as cheap as it does once caught up.
+        calibrate_costs: scale each candidate's seconds beyond the plain step's by the realised ÷
+            predicted ratio of the drafting steps' extra seconds (see the module docstring; ignored when
+            the costs are frozen).
+        cost_calibration_weight: pseudo plain steps of extra seconds (realised = predicted) that ratio
+            starts from (> 0).
         margin: a step drafts only where its expected rate beats the plain step's by this fraction
             (>= 0; probes aside). The expectations are estimates: where drafting barely pays, their
             errors decide, and they erred towards drafting (n-gram at 16 HumanEval requests: goodput
@@ -117,6 +135,8 @@ class GoodputPolicy(PolicyBase):
         calibration_decay: float = 0.99,
         charge_catch_up: bool = True,
         margin: float = 0.03,
+        calibrate_costs: bool = True,
+        cost_calibration_weight: float = 1.0,
     ) -> None:
         if not isinstance(prior_acceptance, (int, float)) or not 0 <= prior_acceptance <= 1:
             raise ConfigError(f"goodput policy: prior_acceptance must be in [0, 1], got {prior_acceptance!r}")
@@ -126,6 +146,16 @@ class GoodputPolicy(PolicyBase):
             raise ConfigError(f"goodput policy: explore_every must be an integer >= 0, got {explore_every!r}")
         if not isinstance(calibrate, bool):
             raise ConfigError(f"goodput policy: calibrate must be a boolean, got {calibrate!r}")
+        if not isinstance(calibrate_costs, bool):
+            raise ConfigError(f"goodput policy: calibrate_costs must be a boolean, got {calibrate_costs!r}")
+        if (
+            not isinstance(cost_calibration_weight, (int, float))
+            or isinstance(cost_calibration_weight, bool)
+            or not 0 < cost_calibration_weight < math.inf
+        ):
+            raise ConfigError(
+                f"goodput policy: cost_calibration_weight must be > 0, got {cost_calibration_weight!r}"
+            )
         if not isinstance(charge_catch_up, bool):
             raise ConfigError(f"goodput policy: charge_catch_up must be a boolean, got {charge_catch_up!r}")
         if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < math.inf:
@@ -162,6 +192,13 @@ class GoodputPolicy(PolicyBase):
         self._pending: OrderedDict[str, tuple[list[float], int, int, int]] = OrderedDict()
         self._predicted = 0.0  # settled decisions, decayed: predicted and realised accepted tokens
         self._realised = 0.0
+        self.calibrate_costs = calibrate_costs and not self.costs.frozen
+        self.cost_calibration_weight = float(cost_calibration_weight)
+        # The latest drafting decode step's (plain step seconds, tokens without drafts) while the step is
+        # not observed yet; the settled drafting steps' extra seconds, decayed, in plain steps.
+        self._cost_pending: tuple[float, int] | None = None
+        self._extra_predicted = 0.0
+        self._extra_realised = 0.0
 
     @property
     def calibration(self) -> float:
@@ -171,6 +208,15 @@ class GoodputPolicy(PolicyBase):
             return 1.0
         w = self.calibration_weight
         return (self._realised + w) / (self._predicted + w)
+
+    @property
+    def cost_calibration(self) -> float:
+        """Realised ÷ predicted seconds beyond the plain step of the settled drafting steps, shrunk towards
+        1 and clipped to ``[1/4, 4]`` (1 when ``calibrate_costs`` is off)."""
+        if not self.calibrate_costs:
+            return 1.0
+        w = self.cost_calibration_weight
+        return min(4.0, max(0.25, (self._extra_realised + w) / (self._extra_predicted + w)))
 
     def _settle(self, batch: list[PolicyInput]) -> None:
         """Settle the pending predictions of the batch's requests whose drafts were verified since: the
@@ -278,10 +324,20 @@ class GoodputPolicy(PolicyBase):
         tokens gained beyond what that time buys by plain decoding. A prompt chunk makes the step slow,
         so by its own rate any drafts would look cheap (16 requests' drafts from a draft model in their
         prompt's last step cost more per token than decoding)."""
+        seconds = self._seconds(tokens, depths, prefill) + extra_s
+        return gain / seconds if value is None else gain - value * seconds
+
+    def _seconds(self, tokens: int, depths: list[int], prefill: bool, calibrated: bool = True) -> float:
+        """Predicted seconds of a step of ``tokens`` batched tokens whose requests draft ``depths``:
+        the target step and the drafting, the part beyond the plain step's (the same step without drafts)
+        scaled by :attr:`cost_calibration` when ``calibrated``."""
         rows = len(depths) - depths.count(0)  # the drafting requests (depths are >= 0)
         seconds = self.costs.target_s(tokens, prefill) + self.costs.draft_s(max(depths, default=0), rows)
-        seconds += extra_s
-        return gain / seconds if value is None else gain - value * seconds
+        drafted = sum(depths)
+        if not drafted or not calibrated or not self.calibrate_costs:
+            return seconds
+        plain = self.costs.target_s(tokens - drafted, prefill)
+        return plain + self.cost_calibration * (seconds - plain)
 
     def charges(self, batch: list[PolicyInput]) -> list[float]:
         """Per request, the seconds charged per token it commits while drafting: reading its draft
@@ -356,6 +412,8 @@ class GoodputPolicy(PolicyBase):
             best = self._explore(
                 batch, best, best_gain, base, prefill, value, alphas, population, charge, best_extra
             )
+        if self.calibrate_costs:  # the plain step's seconds this step's extra seconds are counted from
+            self._cost_pending = (self.costs.target_s(base), base) if any(best) and not prefill else None
         self.history.append((batch[0].batch_size, max(best, default=0)))
         return best
 
@@ -485,7 +543,21 @@ class GoodputPolicy(PolicyBase):
         return out
 
     def observe_step(self, step: StepObservation) -> None:
-        """Fold a step's times and acceptance into the cost model and the population prior."""
+        """Fold a step's times and acceptance into the cost model, the cost calibration and the
+        population prior."""
+        pending, self._cost_pending = self._cost_pending, None
+        if pending is not None and step.max_depth > 0 and not step.prefill and step.num_tokens > pending[1]:
+            # The cost model's prediction of the step as it ran (the drafts proposed, which may be fewer
+            # than granted), before this step corrects it, against its measured seconds.
+            plain_s = pending[0]
+            predicted_s = self.costs.target_s(step.num_tokens) + self.costs.draft_s(
+                step.max_depth, max(1, len(step.per_request))
+            )
+            realised_s = step.target_s + step.draft_s
+            if 0 < plain_s < math.inf and 0 <= realised_s < math.inf:
+                d = self.calibration_decay
+                self._extra_predicted = d * self._extra_predicted + max(0.0, predicted_s / plain_s - 1)
+                self._extra_realised = d * self._extra_realised + realised_s / plain_s - 1
         self.costs.observe(
             step.num_tokens,
             step.target_s,
