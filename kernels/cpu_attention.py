@@ -55,6 +55,20 @@ class ShortQueries:
     masks: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PromptChunk:
+    """One request's prompt chunk among a forward's rows, as the C++ layer stack attends it (SDPA's fused
+    kernel, as ``ReferenceAttention._prefills``): rows ``start:start + query_len`` over ``num_keys`` keys,
+    read from the cache blocks ``blocks`` ``[num_blocks]`` int64 (None: no earlier keys, the chunk's own
+    new keys), under ``mask`` ``[query_len, num_keys]`` bool (None: causal)."""
+
+    start: int
+    query_len: int
+    num_keys: int
+    blocks: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
 def paged_attention_short(
     query: torch.Tensor,
     k_cache: torch.Tensor,

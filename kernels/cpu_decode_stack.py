@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_gemv, cpu_gemv_int8
-from kernels.cpu_attention import ShortQueries
+from kernels.cpu_attention import PromptChunk, ShortQueries
 from kernels.cpu_ext import enabled, require_extension
 
 __all__ = ["DecodeStack", "StackLayer", "available"]
@@ -126,6 +126,8 @@ class DecodeStack:
             self.max_rows = cpu_gemv_int8.MAX_ROWS
         elif any(codes):
             self.max_rows = min(self.max_rows, cpu_gemv_int8.MAX_ROWS)
+        #: Whether prompt chunks may go through the stack (no layer has a sliding window or soft-cap).
+        self.takes_prefill = all(lay.window <= 0 and lay.softcap == 0 for lay in layers)
         self._stack = require_extension().DecodeStack()
         for lay in layers:
             self._stack.add_layer(
@@ -154,6 +156,7 @@ class DecodeStack:
         short: ShortQueries,
         feature_layers: Sequence[int] = (),
         attention_input: torch.Tensor | None = None,
+        prefills: Sequence[PromptChunk] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run every layer on ``hidden`` ``[T, hidden]`` (the embedded new tokens).
 
@@ -168,6 +171,9 @@ class DecodeStack:
             attention_input: ``[T, qkv in_features]`` contiguous, hidden's dtype: the first layer's
                 attention input in place of its input norm of ``hidden`` (an EAGLE-3 layer, whose input is
                 its embeddings' and features' norms side by side; ``hidden`` is then the residual only).
+            prefills: prompt chunks among the rows (:class:`PromptChunk`), attended by SDPA's fused kernel
+                as the per-layer path attends them; ``short`` then holds the other requests (possibly
+                none). Only where :attr:`takes_prefill`.
 
         Returns:
             ``(hidden, streams)``: the residual stream after the last layer ``[T, hidden_size]`` and one
@@ -180,6 +186,8 @@ class DecodeStack:
             hidden, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches], slot_mapping,
             short.block_table, short.reqs, short.q_start, short.q_len, short.seq_len, short.mask_offset,
             short.masks, list(feature_layers), _bias(attention_input),
+            [v for c in prefills for v in (c.start, c.query_len, c.num_keys)],
+            [_bias(c.blocks) for c in prefills], [_bias(c.mask) for c in prefills],
         )  # fmt: skip
         return out[0], out[1:]
 

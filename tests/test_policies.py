@@ -515,11 +515,14 @@ def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
         build_policy("goodput", PolicyContext(4), {"calibrate": "yes"})
 
 
-def _simulated_goodput(calibrate_costs: bool, acceptance: float, batch: int = 16, steps: int = 400):
+def _simulated_goodput(
+    calibrate_costs: bool, acceptance: float, batch: int = 16, steps: int = 400, pause_at: int = -1
+):
     """A goodput policy over ``steps`` simulated decode steps of ``batch`` requests: its profile prices
     each extra batched token at 1 % of a one-token step, the machine at 3 % (plus drafting, 0.5 ms a
-    position), and the drafter proposes 1 .. granted drafts, each accepted with ``acceptance`` (seeded).
-    Returns (committed tokens per second ÷ plain decoding's, the policy)."""
+    position), and the drafter proposes 1 .. granted drafts, each accepted with ``acceptance`` (seeded);
+    step ``pause_at`` takes 20 times its time (a pause). Returns (committed tokens per second ÷ plain
+    decoding's, the policy)."""
     import random
     from types import SimpleNamespace
 
@@ -539,7 +542,7 @@ def _simulated_goodput(calibrate_costs: bool, acceptance: float, batch: int = 16
         for i in range(batch)
     ]  # fmt: skip
     seconds = committed = 0.0
-    for _ in range(steps):
+    for step in range(steps):
         depths = policy.decide([PolicyInput(r, 4, batch, batch) for r in reqs])
         tokens, per_request = batch, []
         for r, d in zip(reqs, depths):
@@ -559,7 +562,9 @@ def _simulated_goodput(calibrate_costs: bool, acceptance: float, batch: int = 16
                 tokens += proposed
                 committed += accepted
                 per_request.append((proposed, accepted))
-        target_s = 0.010 * (1 + 0.03 * (tokens - 1)) * rng.uniform(0.95, 1.05)
+        target_s = (
+            0.010 * (1 + 0.03 * (tokens - 1)) * rng.uniform(0.95, 1.05) * (20 if step == pause_at else 1)
+        )
         draft_s = 0.0005 * max(depths)
         seconds += target_s + draft_s
         depth = max((p for p, _ in per_request), default=0)
@@ -572,11 +577,18 @@ def test_goodput_cost_calibration_stops_drafts_the_cost_model_prices_low():
     # The profile prices drafts at a third of what they cost, and a drafting step's shape (how many drafts
     # the drafter found) seldom repeats: the cost model's corrections follow the plain steps, and without
     # the cost calibration goodput drafts at every step at 30 % acceptance, below plain decoding. Settling
-    # the drafting steps' extra seconds against their prediction stops it after its first drafting step.
+    # the drafting steps' extra seconds against their prediction stops it after its first drafting step;
+    # as that evidence ages it tries again now and then (9 of 400 steps here), and stops again.
     speed, policy = _simulated_goodput(False, 0.3)
     assert speed < 0.97 and sum(d > 0 for _, d in policy.history) == 400 and policy.cost_calibration == 1.0
+    speed, policy = _simulated_goodput(True, 0.3, steps=1)
+    assert policy.cost_calibration > 1.2  # after one drafting step
     speed, policy = _simulated_goodput(True, 0.3)
-    assert speed > 0.99 and sum(d > 0 for _, d in policy.history) <= 2 and policy.cost_calibration > 1.5
+    assert speed > 0.99 and sum(d > 0 for _, d in policy.history) <= 12
+    # One pause (a drafting step at 20x its time) does not end drafting where drafts pay: its extra
+    # seconds are capped, and the evidence ages.
+    _, policy = _simulated_goodput(True, 0.6, pause_at=50)
+    assert sum(d > 0 for _, d in list(policy.history)[200:]) == 200
     # Where drafts pay (60 %), it drafts on, as fast as without it (the realised extra seconds match the
     # corrected predictions: calibration ~1).
     fast, policy = _simulated_goodput(True, 0.6)

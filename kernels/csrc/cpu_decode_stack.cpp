@@ -12,7 +12,12 @@
 // before a SiLU-gated MLP, fused QKV and gate/up projections with optional biases (dense, or int8 codes
 // with one scale per output row: an int8-quantized model such as the quantized self-drafter), RoPE on every query
 // and key head, grouped-query attention with an optional sliding window and score soft-cap (Llama,
-// SmolLM2, Qwen2, Mistral). Batches served: every request's new tokens attended by the short-query kernel.
+// SmolLM2, Qwen2, Mistral). Batches served: every request's new tokens attended by the short-query kernel,
+// and, in layers without a sliding window or soft-cap, prompt chunks beside them (a request arriving into a
+// running batch): each chunk attended by SDPA's fused kernel over its cached keys, as the per-layer path
+// attends it (ReferenceAttention._prefills), so that a step with a chunk does not run layer by layer in
+// Python (~5 ms over a decode step of SmolLM2 at 32 requests).
+#include <ATen/ATen.h>
 #include <torch/extension.h>
 
 #include <vector>
@@ -76,7 +81,9 @@ class DecodeStack {
   // place of rms_norm(hidden) (an EAGLE-3 layer: its embeddings' and features' norms side by side, K = 2
   // hidden; hidden is then the residual stream only). Returns the residual stream after the last layer,
   // then the streams entering each of feature_layers (an index equal to the layer count: the last layer's
-  // output).
+  // output). prefill_rows: per prompt chunk (start row, query_len, keys), prefill_blocks its cache blocks
+  // (empty: no earlier keys, the chunk's own new keys), prefill_masks its [query_len, keys] bool mask
+  // (empty: causal); the short-query batch then holds the other requests (reqs may be empty).
   std::vector<torch::Tensor> forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                                      const std::vector<torch::Tensor>& k_caches,
                                      const std::vector<torch::Tensor>& v_caches,
@@ -85,7 +92,10 @@ class DecodeStack {
                                      const torch::Tensor& q_len, const torch::Tensor& seq_len,
                                      const torch::Tensor& mask_offset, const torch::Tensor& masks,
                                      const std::vector<int64_t>& feature_layers,
-                                     const torch::Tensor& attention_input) {
+                                     const torch::Tensor& attention_input,
+                                     const std::vector<int64_t>& prefill_rows,
+                                     const std::vector<torch::Tensor>& prefill_blocks,
+                                     const std::vector<torch::Tensor>& prefill_masks) {
     const int64_t L = size();
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
                 "DecodeStack: one K and one V cache per layer");
@@ -97,6 +107,16 @@ class DecodeStack {
                            attention_input.scalar_type() == hidden.scalar_type() &&
                            attention_input.is_contiguous()),
                 "DecodeStack: attention_input [T, qkv in_features], hidden's dtype, contiguous");
+    const size_t P = prefill_blocks.size();
+    TORCH_CHECK(prefill_rows.size() == 3 * P && prefill_masks.size() == P,
+                "DecodeStack: one (start, query_len, keys) triple, block list and mask per prompt chunk");
+    for (size_t p = 0; p < P; ++p)
+      TORCH_CHECK(prefill_rows[3 * p] >= 0 && prefill_rows[3 * p + 1] > 0 &&
+                      prefill_rows[3 * p] + prefill_rows[3 * p + 1] <= T && prefill_rows[3 * p + 2] > 0,
+                  "DecodeStack: a prompt chunk's rows out of range");
+    for (int64_t i = 0; P && i < L; ++i)
+      TORCH_CHECK(layers_[i].window <= 0 && layers_[i].softcap == 0,
+                  "DecodeStack: prompt chunks only in layers without a sliding window or soft-cap");
     std::vector<torch::Tensor> out(1 + feature_layers.size());
     auto keep = [&](int64_t i, const torch::Tensor& h) {
       for (size_t f = 0; f < feature_layers.size(); ++f)
@@ -113,8 +133,28 @@ class DecodeStack {
       write_kv(qk.narrow(1, H, KVH), v, k_caches[i], v_caches[i], slot_mapping);
       auto q = qk.narrow(1, 0, H);  // the kernel reads it in place (token stride H + KVH heads)
       auto attn = torch::empty({T, H, D}, hidden.options());
-      paged_attention_short(q, k_caches[i], v_caches[i], block_table, reqs, q_start, q_len, seq_len,
-                            mask_offset, masks, attn, l.scale, l.window, l.softcap);
+      if (reqs.numel())
+        paged_attention_short(q, k_caches[i], v_caches[i], block_table, reqs, q_start, q_len, seq_len,
+                              mask_offset, masks, attn, l.scale, l.window, l.softcap);
+      for (size_t p = 0; p < P; ++p) {
+        const int64_t start = prefill_rows[3 * p], ql = prefill_rows[3 * p + 1], keys = prefill_rows[3 * p + 2];
+        torch::Tensor k, vv;
+        if (prefill_blocks[p].numel()) {
+          k = k_caches[i].index_select(0, prefill_blocks[p]).flatten(0, 1).narrow(0, 0, keys);
+          vv = v_caches[i].index_select(0, prefill_blocks[p]).flatten(0, 1).narrow(0, 0, keys);
+        } else {
+          k = qk.narrow(1, H, KVH).narrow(0, start, ql);
+          vv = v.narrow(0, start, ql);
+        }
+        const bool causal = prefill_masks[p].numel() == 0;
+        std::optional<torch::Tensor> mask;
+        if (!causal) mask = prefill_masks[p].unsqueeze(0).unsqueeze(0);
+        // [1, H, q, D] operands: SDPA's fused flash kernel on the CPU (3-D ones take its math path)
+        auto o = at::scaled_dot_product_attention(q.narrow(0, start, ql).transpose(0, 1).unsqueeze(0),
+                                                  k.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0),
+                                                  mask, 0.0, causal, l.scale, H != KVH);
+        attn.narrow(0, start, ql).copy_(o.squeeze(0).transpose(0, 1));
+      }
       hidden = hidden + linear(attn.view({T, H * D}), l.o, l.o_bias, l.o_packed, l.o_scales);
       auto gate_up = linear(rms_norm(hidden, l.post_norm, l.eps, l.gemma), l.gate_up, l.gate_up_bias,
                             l.gate_up_packed, l.gate_up_scales);

@@ -16,7 +16,7 @@ import torch
 
 from kernels import cpu_attention
 from kernels.attention_metadata import AttentionMetadata
-from kernels.cpu_attention import ShortQueries
+from kernels.cpu_attention import PromptChunk, ShortQueries
 from specdec.attention.reference import ReferenceAttention, _Plan, _plan, short_mask
 
 __all__ = ["CpuAttention"]
@@ -55,6 +55,12 @@ def _short_batch(metadata: AttentionMetadata, plan: _Plan) -> ShortQueries:
     )
 
 
+def _no_short(metadata: AttentionMetadata) -> ShortQueries:
+    """A short-query batch of no requests (a forward of prompt chunks only)."""
+    none = torch.empty(0, dtype=torch.int64)
+    return ShortQueries(metadata.block_table, none, none, none, none, none, _NO_MASKS)
+
+
 class CpuAttention(ReferenceAttention):
     """:class:`~specdec.attention.base.AttentionBackend` for the CPU: the reference with short queries
     attended by the C++ kernel (see the module docstring)."""
@@ -80,6 +86,32 @@ class CpuAttention(ReferenceAttention):
         if batch is None:
             batch = metadata.backend_cache["cpu_short"] = _short_batch(metadata, plan)
         return batch
+
+    def stack_queries(
+        self, metadata: AttentionMetadata, k_cache: torch.Tensor
+    ) -> tuple[ShortQueries, list[PromptChunk]] | None:
+        """The forward's requests as the C++ layer stack attends them: the short ones as
+        :meth:`short_queries` (possibly none) and the prompt chunks (:class:`PromptChunk`, from the same
+        plan as :meth:`ReferenceAttention._prefills` uses: its masks and cache blocks); None where
+        ``k_cache``'s dtype is not one the kernel reads. The layers must have no sliding window (the plan's
+        masks are the global ones)."""
+        if k_cache.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        plan = metadata.backend_cache.get(self.plan_key)
+        if plan is None:
+            plan = metadata.backend_cache[self.plan_key] = _plan(
+                metadata, k_cache.shape[1], k_cache.device, batch_short=self.batch_short
+            )
+        batch = metadata.backend_cache.get("cpu_short")
+        if batch is None:
+            batch = metadata.backend_cache["cpu_short"] = (
+                _short_batch(metadata, plan) if plan.short else _no_short(metadata)
+            )
+        chunks = [
+            PromptChunk(p.start, p.query_len, p.seq_len - p.key_start, p.blocks, p.mask)
+            for p in plan.prefills
+        ]
+        return batch, chunks
 
     @staticmethod
     def _write(

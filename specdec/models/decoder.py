@@ -552,15 +552,17 @@ def run_stack(
     attention_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """``stack``'s layers on ``hidden`` ``[T, H]`` (the same kernels in the same order as the per-layer
-    path, equal outputs) when the batch is all short queries on the CPU attention backend, in the stack's
-    dtype, outside autograd and compilation, and the module still holds the weights the stack was built
-    from (every one of ``refs``, see :func:`_layer_refs`); None where the per-layer path must run.
+    path, equal outputs) on the CPU attention backend, in the stack's dtype, outside autograd and
+    compilation, where the module still holds the weights the stack was built from (every one of ``refs``,
+    see :func:`_layer_refs`) and the batch is short queries, or short queries and prompt chunks where the
+    stack takes those (:attr:`~kernels.cpu_decode_stack.DecodeStack.takes_prefill`); None where the
+    per-layer path must run.
     ``attention_input``: the first layer's attention input in place of its input norm of ``hidden`` (see
     :meth:`kernels.cpu_decode_stack.DecodeStack.forward`)."""
-    short_queries = getattr(attention, "short_queries", None)
+    stack_queries = getattr(attention, "stack_queries", None)
     k_cache = kv_caches[0][0]
     if (
-        short_queries is None
+        stack_queries is None
         or k_cache is None
         or hidden.dim() != 2
         or hidden.dtype != stack.dtype
@@ -574,12 +576,13 @@ def run_stack(
         or (attention_input is not None and attention_input.dtype != hidden.dtype)
     ):
         return None
-    short = short_queries(metadata, k_cache)
-    if short is None:
+    queries = stack_queries(metadata, k_cache)
+    if queries is None or (queries[1] and not stack.takes_prefill):
         return None
+    short, chunks = queries
     return stack.forward(
         hidden, *rope, kv_caches, metadata.slot_mapping, short, feature_layers,  # type: ignore[arg-type]
-        None if attention_input is None else attention_input.contiguous(),
+        None if attention_input is None else attention_input.contiguous(), chunks,
     )  # fmt: skip
 
 

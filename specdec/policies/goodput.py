@@ -36,18 +36,23 @@ candidate are scaled by ``(accepted + w) / (predicted + w)`` over the settled de
 capped at the depth. Probes are not settled (their prediction is the hope, not the estimate) and are not
 scaled. A function of the token history.
 
-Cost calibration (``calibrate_costs``): the same curse reaches the costs. A step shape the policy picks is
-one whose cost it priced low, and the cost model learns from the counts played (its profile times the
-forward alone; verification, commit and drafting grow with the drafting requests): at 32 requests on
-SmolLM2 (suffix decoding, 2-core AMX) it priced a 64-token step 1.17x a 32-token one where the engine's
-took about 1.26x, and drafted at 0.90-0.94x plain. So each decode step that drafted settles its
-cost: seconds beyond the plain step's (``target_s`` of the step's tokens without drafts,
-at decision time): the cost model's prediction of the step as it ran (the drafts proposed), before the
-step corrects it, against its measured seconds (forward, verification, commit and drafting; catch-up
-forwards aside), both beyond that plain step's and as fractions of it, summed with
-``calibration_decay``, and every candidate's seconds beyond the plain step's are scaled by
-``(realised + w) / (predicted + w)`` (``w = cost_calibration_weight`` plain steps; clipped to
-``[1/4, 4]``). Measured times, so off when the costs are frozen.
+Cost calibration (``calibrate_costs``): the same curse may reach the costs. A step shape the policy picks
+may be one whose cost it priced low, and the cost model learns per token count, while a drafting step's
+count seldom repeats and the plain count is observed at every step (a trace at 32 requests on SmolLM2,
+suffix decoding, 2-core AMX, had it price a 64-token step 1.17x a 32-token one where the engine's took
+about 1.26x; in a later trace its predictions of the steps as they ran were within 10 %). So each decode
+step that drafted settles its cost: the cost model's prediction of the step as it ran (the drafts
+proposed), before the step corrects it, against its measured seconds (forward, verification, commit and
+drafting; catch-up forwards aside), both as the fraction beyond the plain step's predicted seconds
+(``target_s`` of the step's tokens without drafts, at decision time; the plain count is observed at
+nearly every step, so its prediction is the accurate one), the measured one floored at 0 like the
+prediction and capped at twice the prediction plus 0.1 (a pause must not end drafting). Both sums age by
+``calibration_decay`` at every decode step, drafting or not, so a calibration that stopped drafting
+returns towards 1 and drafting is tried again. Every candidate's seconds beyond the plain step's, in
+steps with prompt chunks too, are scaled by ``(realised + w) / (predicted + w)`` (``w =
+cost_calibration_weight`` plain steps; clipped to ``[1/4, 4]``). A token tree is priced by its nodes at
+decision time, as the policy counts its drafts, and settled by the nodes it verified. Measured times, so
+off when the costs are frozen.
 
 Exact: the depth is decided from committed history and costs before the step's drafts exist. With
 ``frozen=True`` the costs are fixed (given as ``step_s``, or the profiled / cached ones) and decisions
@@ -546,18 +551,27 @@ class GoodputPolicy(PolicyBase):
         """Fold a step's times and acceptance into the cost model, the cost calibration and the
         population prior."""
         pending, self._cost_pending = self._cost_pending, None
-        if pending is not None and step.max_depth > 0 and not step.prefill and step.num_tokens > pending[1]:
-            # The cost model's prediction of the step as it ran (the drafts proposed, which may be fewer
-            # than granted), before this step corrects it, against its measured seconds.
-            plain_s = pending[0]
-            predicted_s = self.costs.target_s(step.num_tokens) + self.costs.draft_s(
-                step.max_depth, max(1, len(step.per_request))
-            )
-            realised_s = step.target_s + step.draft_s
-            if 0 < plain_s < math.inf and 0 <= realised_s < math.inf:
-                d = self.calibration_decay
-                self._extra_predicted = d * self._extra_predicted + max(0.0, predicted_s / plain_s - 1)
-                self._extra_realised = d * self._extra_realised + realised_s / plain_s - 1
+        if self.calibrate_costs and not step.prefill:
+            # Every decode step ages the evidence, drafting or not: a calibration that stopped drafting
+            # drifts back towards 1 and drafting is tried again, so one slow step cannot end it for good.
+            d = self.calibration_decay
+            self._extra_predicted *= d
+            self._extra_realised *= d
+            if pending is not None and step.max_depth > 0 and step.num_tokens > pending[1]:
+                # The cost model's prediction of the step as it ran (the drafts proposed, which may be
+                # fewer than granted), before this step corrects it, against its measured seconds.
+                plain_s = pending[0]
+                predicted_s = self.costs.target_s(step.num_tokens) + self.costs.draft_s(
+                    step.max_depth, max(1, len(step.per_request))
+                )
+                realised_s = step.target_s + step.draft_s
+                if 0 < plain_s < math.inf and 0 <= realised_s < math.inf:
+                    predicted = max(0.0, predicted_s / plain_s - 1)
+                    # floored at 0 like the prediction; capped, so that a pause (a page fault, a busy
+                    # neighbour) weighs as a step at most twice as dear as predicted, plus a tenth of a step
+                    realised = min(max(0.0, realised_s / plain_s - 1), 2 * predicted + 0.1)
+                    self._extra_predicted += predicted
+                    self._extra_realised += realised
         self.costs.observe(
             step.num_tokens,
             step.target_s,

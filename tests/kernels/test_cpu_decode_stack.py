@@ -68,7 +68,13 @@ BATCHES = {
     "trees": [(5, 7), (9, 12), (1, 4)],
     # 40 rows (8 chains of 5): past the GEMV kernel's 32, taken where every linear has a packed weight
     "wide": [(5, 3 + 2 * i) for i in range(8)],
+    # prompt chunks (over 32 queries) beside short queries: a chunk after 8 cached tokens and a decode
+    # row; a prompt with no earlier keys and a chain. Taken where every linear has a packed weight (past
+    # 32 rows) and no layer has a sliding window or soft-cap.
+    "chunk+decode": [(40, 8), (1, 20)],
+    "prompt+chain": [(36, 0), (5, 9)],
 }
+CHUNKS = ("chunk+decode", "prompt+chain")
 
 
 def _run(model, batch, caches, features=()):
@@ -113,9 +119,13 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(dtype, variant, shape):
     caches_got = [(k.clone(), v.clone()) for k, v in caches_ref]
     calls = _count_stack_calls(model)
     got, got_features = _run(model, batch, caches_got, features)
-    # the stack served this batch; 40 rows only with packed weights (bfloat16 with AMX or oneDNN)
+    # the stack served this batch; 40 rows only with packed weights (bfloat16 with AMX or oneDNN), prompt
+    # chunks only in layers without a sliding window or soft-cap
     packed = dtype == torch.bfloat16 and _ONEDNN  # as _model packs
-    assert calls == [0 if shape == "wide" and not packed else 1]
+    plain_attention = "window" not in variant
+    served = (packed or shape not in ("wide", *CHUNKS)) and (plain_attention or shape not in CHUNKS)
+    assert calls == [int(served)]
+    assert model.decode_stack.takes_prefill == plain_attention
     assert (model.decode_stack.max_rows >= 40) == packed
     stack, model.decode_stack = model.decode_stack, None
     want, want_features = _run(model, batch, caches_ref, features)
@@ -140,13 +150,13 @@ def _count_stack_calls(model) -> list[int]:
 
 
 def test_batches_and_models_it_does_not_take_fall_back():
-    """A prefill chunk, autograd, a model copied or moved after the switch, and layers it does not take
-    (q/k norms, norms after attention, GeLU) run the per-layer path."""
+    """A prefill chunk past the float32 kernel's rows, autograd, a model copied or moved after the
+    switch, and layers it does not take (q/k norms, norms after attention, GeLU) run the per-layer path."""
     model = _model(torch.float32)
     calls = _count_stack_calls(model)
     batch = make_paged_batch([(40, 0), (1, 5)], 4, 2, HEAD_DIM, block_size=4, write_new=False)
     _run(model, batch, _caches(model, batch))
-    assert calls == [0]  # a 40-token prefill chunk: not a short query
+    assert calls == [0]  # 41 rows: past the float32 GEMV kernel's 32 (no packed weights)
     decode = make_paged_batch([(1, 5)], 4, 2, HEAD_DIM, block_size=4, write_new=False)
     with torch.enable_grad():
         ids, pos = torch.tensor([3]), torch.tensor([5])
