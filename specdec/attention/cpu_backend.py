@@ -72,20 +72,11 @@ class CpuAttention(ReferenceAttention):
         """The forward's requests as the short-query kernel reads them when every one is short (decode
         rows, verification chains, token trees: no prefill chunk) and ``k_cache`` (any layer's ``[num_blocks,
         block_size, KVH, D]``) is in a dtype the kernel reads; None otherwise. Computed once per forward
-        (:attr:`AttentionMetadata.backend_cache`); :class:`kernels.cpu_decode_stack.DecodeStack` reads it."""
-        if k_cache.dtype not in (torch.float32, torch.bfloat16):
+        (:attr:`AttentionMetadata.backend_cache`)."""
+        queries = self.stack_queries(metadata, k_cache)
+        if queries is None or queries[1] or not queries[0].reqs.numel():
             return None
-        plan = metadata.backend_cache.get(self.plan_key)
-        if plan is None:
-            plan = metadata.backend_cache[self.plan_key] = _plan(
-                metadata, k_cache.shape[1], k_cache.device, batch_short=self.batch_short
-            )
-        if plan.prefills or not plan.short:
-            return None
-        batch = metadata.backend_cache.get("cpu_short")
-        if batch is None:
-            batch = metadata.backend_cache["cpu_short"] = _short_batch(metadata, plan)
-        return batch
+        return queries[0]
 
     def stack_queries(
         self, metadata: AttentionMetadata, k_cache: torch.Tensor
@@ -94,7 +85,8 @@ class CpuAttention(ReferenceAttention):
         :meth:`short_queries` (possibly none) and the prompt chunks (:class:`PromptChunk`, from the same
         plan as :meth:`ReferenceAttention._prefills` uses: its masks and cache blocks); None where
         ``k_cache``'s dtype is not one the kernel reads. The layers must have no sliding window (the plan's
-        masks are the global ones)."""
+        masks are the global ones). Computed once per forward (:attr:`AttentionMetadata.backend_cache`);
+        :class:`kernels.cpu_decode_stack.DecodeStack` reads it."""
         if k_cache.dtype not in (torch.float32, torch.bfloat16):
             return None
         plan = metadata.backend_cache.get(self.plan_key)
