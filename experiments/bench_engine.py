@@ -124,37 +124,33 @@ def prefill_prompts(vocab_size: int, length: int, count: int) -> list[list[int]]
     return torch.randint(100, vocab_size, (count, length), generator=g).tolist()
 
 
-def bench_ours_prefill(llm: Any, prompts: list[list[int]]) -> float:
-    """Our prompt tokens/s: one request per prompt, one token generated (time to first token), the
-    first prompt a warm-up; the median of the rest."""
-    import statistics
-    import time
-
-    from sampling.params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=1)
-    times = []
-    for ids in prompts:
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], params)
-        times.append(time.perf_counter() - t0)
-    return len(prompts[0]) / statistics.median(times[1:])
-
-
-def bench_hf_prefill(hf_model: Any, prompts: list[list[int]]) -> float:
-    """transformers' prompt tokens/s: one eager forward over each prompt with the last position's logits
-    only (``logits_to_keep=1``, as ``generate``'s first step computes them), the first a warm-up; the
+def _prompt_tokens_per_s(prefill: Any, prompts: list[list[int]]) -> float:
+    """Prompt tokens/s of ``prefill(ids)`` over ``prompts`` (equal lengths): the first a warm-up, the
     median of the rest."""
     import statistics
     import time
 
     times = []
-    with torch.inference_mode():
-        for ids in prompts:
-            t0 = time.perf_counter()
-            hf_model(torch.tensor([ids]), logits_to_keep=1)
-            times.append(time.perf_counter() - t0)
+    for ids in prompts:
+        t0 = time.perf_counter()
+        prefill(ids)
+        times.append(time.perf_counter() - t0)
     return len(prompts[0]) / statistics.median(times[1:])
+
+
+def bench_ours_prefill(llm: Any, prompts: list[list[int]]) -> float:
+    """Our prompt tokens/s: one request per prompt, one token generated (time to first token)."""
+    from sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1)
+    return _prompt_tokens_per_s(lambda ids: llm.generate([{"prompt_token_ids": ids}], params), prompts)
+
+
+def bench_hf_prefill(hf_model: Any, prompts: list[list[int]]) -> float:
+    """transformers' prompt tokens/s: one eager forward over each prompt with the last position's logits
+    only (``logits_to_keep=1``, as ``generate``'s first step computes them)."""
+    with torch.inference_mode():
+        return _prompt_tokens_per_s(lambda ids: hf_model(torch.tensor([ids]), logits_to_keep=1), prompts)
 
 
 def run(cfg: BenchEngineConfig) -> dict[str, Any]:

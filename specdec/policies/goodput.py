@@ -332,17 +332,17 @@ class GoodputPolicy(PolicyBase):
         seconds = self._seconds(tokens, depths, prefill) + extra_s
         return gain / seconds if value is None else gain - value * seconds
 
-    def _seconds(self, tokens: int, depths: list[int], prefill: bool, calibrated: bool = True) -> float:
+    def _seconds(self, tokens: int, depths: list[int], prefill: bool) -> float:
         """Predicted seconds of a step of ``tokens`` batched tokens whose requests draft ``depths``:
         the target step and the drafting, the part beyond the plain step's (the same step without drafts)
-        scaled by :attr:`cost_calibration` when ``calibrated``."""
+        scaled by :attr:`cost_calibration`."""
         rows = len(depths) - depths.count(0)  # the drafting requests (depths are >= 0)
         seconds = self.costs.target_s(tokens, prefill) + self.costs.draft_s(max(depths, default=0), rows)
-        drafted = sum(depths)
-        if not drafted or not calibrated or not self.calibrate_costs:
+        drafted, scale = sum(depths), self.cost_calibration
+        if not drafted or scale == 1.0:  # off, or nothing settled yet: no plain step to price
             return seconds
         plain = self.costs.target_s(tokens - drafted, prefill)
-        return plain + self.cost_calibration * (seconds - plain)
+        return plain + scale * (seconds - plain)
 
     def charges(self, batch: list[PolicyInput]) -> list[float]:
         """Per request, the seconds charged per token it commits while drafting: reading its draft
