@@ -193,11 +193,11 @@ def test_drafts_from_the_request_itself_incrementally():
     req = _request([1, 2, 3, 4, 5, 6, 1, 2])
     assert d.draft(req, 4, 0).token_ids == [3, 4]  # a 2-token match: budget ceil(1.0 * 2) = 2
     state = d.states.peek(req)
-    nodes = state.trie.num_nodes
+    nodes = state.num_nodes
     req.token_ids.extend([3, 4])
     assert d.draft(req, 4, 0).token_ids == [5, 6, 1, 2]
     assert state.num_indexed == 10
-    assert state.trie.num_nodes - nodes <= 2 * d.depth  # O(depth) new nodes per token, no rebuild
+    assert state.num_nodes - nodes <= 2 * d.depth  # O(depth) new nodes per token, no rebuild
     assert d.draft(req, 0, 0) is None
 
 

@@ -73,4 +73,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8_vnni", &has_int8_vnni, "whether int8 products use AVX512_VNNI (kernels/csrc/cpu_gemv_int8.cpp)");
   m.def("has_avx2", &specdec_cpu::has_avx2, "whether the kernels were compiled with AVX2 + FMA");
   bind_decode_stack(m);
+  bind_suffix_index(m);
 }

@@ -36,3 +36,5 @@ torch::Tensor rope(const torch::Tensor& qk, const torch::Tensor& cos, const torc
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 // cpu_decode_stack.cpp
 void bind_decode_stack(pybind11::module& m);
+// RequestSuffixIndex, a request's own suffix trie for suffix decoding (suffix_index.cpp).
+void bind_suffix_index(pybind11::module& m);

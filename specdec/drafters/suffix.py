@@ -19,10 +19,15 @@ of highest expected accepted length. The speculation budget of a match of ``p`` 
 step's depth (``max_drafts``) and a tree's slots (``max_tree_nodes``); continuations of path probability
 below ``suffix_min_token_prob`` are not drafted.
 
-Memory: a trie holds up to ``suffix_max_match + k`` nodes per token of text that never repeats (about
-270 bytes each in CPython 3.11, measured with tracemalloc), so a 32k-token request of code-like text
-takes ~650k nodes, ~170 MiB, while it runs (defaults: depth 20); lower ``suffix_max_match`` for very
-long contexts. The global cache's default budget, 2**20 nodes, is ~270 MiB.
+A request's own trie is the C++ index of :mod:`kernels.suffix_index` where the CPU kernels are built
+(~1.2 µs a token to grow, ~113 bytes a node), else its Python reference
+(:class:`~specdec.drafters.suffix_tree.RequestIndex`: the same drafts; ~4.5 µs a token, ~270 bytes a
+node in CPython 3.11, measured with tracemalloc); the global cache is the Python trie.
+
+Memory: a trie holds up to ``suffix_max_match + k`` nodes per token of text that never repeats, so a
+32k-token request of code-like text takes ~650k nodes, ~70 MiB in C++ (~170 MiB in Python), while it
+runs (defaults: depth 20); lower ``suffix_max_match`` for very long contexts. The global cache's
+default budget, 2**20 nodes, is ~270 MiB.
 
 Drafts are deterministic (``draft_probs`` None): the rejection sampler verifies chains and the tree
 verifier verifies trees exactly, so the output distribution is the target's whatever was drafted.
@@ -38,13 +43,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
+from kernels import suffix_index
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
 from specdec.drafters.draft_stats import DraftCounts
 from specdec.drafters.registry import register_drafter
-from specdec.drafters.suffix_tree import Draft, SuffixCache, SuffixTrie, draft_from
+from specdec.drafters.suffix_tree import Draft, RequestIndex, SuffixCache, SuffixTrie, draft_from
 from specdec.errors import ConfigError
 from specdec.request import Request, RequestStatus
 
@@ -82,15 +88,6 @@ def check_suffix_config(config: SpeculativeConfig) -> None:
         raise ConfigError(
             f"suffix_share_across_requests must be a bool, got {config.suffix_share_across_requests!r}"
         )
-
-
-@dataclass
-class _RequestTrie:
-    """A request's own trie and the nodes of its context's suffixes (``active[i]``: length ``i``)."""
-
-    trie: SuffixTrie
-    active: list[int] = field(default_factory=list)
-    num_indexed: int = 0
 
 
 @register_drafter(
@@ -132,7 +129,9 @@ class SuffixDrafter(DrafterBase):
             if config.suffix_share_across_requests
             else None
         )
-        self.states: RequestStates[_RequestTrie] = RequestStates(self._new_state)
+        #: Each request's own text (:class:`~specdec.drafters.suffix_tree.RequestIndex`, or its C++
+        #: twin from :mod:`kernels.suffix_index` where that is built).
+        self.states: RequestStates[Any] = RequestStates(self._new_state)
         self.num_local_drafts = 0
         self.num_global_drafts = 0
         self.counts = DraftCounts("suffix") if config.method == "suffix" else None
@@ -141,17 +140,16 @@ class SuffixDrafter(DrafterBase):
         self.catch_up_s = 0.0
         self.catch_up_tokens = 0
 
-    def _new_state(self) -> _RequestTrie:
-        trie = SuffixTrie(self.depth)
-        return _RequestTrie(trie, trie.start())
+    def _new_state(self) -> Any:
+        native = suffix_index.request_index(self.depth)
+        return native if native is not None else RequestIndex(self.depth)
 
-    def _catch_up(self, request: Request) -> _RequestTrie:
+    def _catch_up(self, request: Request) -> Any:
         """Index the request's tokens not indexed yet: ``O(depth)`` per token."""
         state = self.states.get(request)
-        tokens = request.token_ids
-        for i in range(state.num_indexed, len(tokens)):
-            state.active = state.trie.extend(state.active, tokens[i], i)
-        state.num_indexed = max(state.num_indexed, len(tokens))
+        tokens, done = request.token_ids, state.num_indexed
+        if len(tokens) > done:
+            state.extend(tokens[done:], done)
         return state
 
     def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
@@ -187,12 +185,9 @@ class SuffixDrafter(DrafterBase):
             shared = self.cache.trie
             for length, node in shared.matches(request.token_ids, self.max_match):
                 consider(shared, length, node, shared.seq[node])
-        own = state.trie
-        for length in range(1, min(self.max_match, len(state.active) - 1) + 1):
-            node = state.active[length]
-            if own.kids[node] is None:  # no earlier occurrence continued; nor will a longer suffix
-                break
-            consider(own, length, node, -1)
+        own = state.best_draft(self.max_match, max_drafts, cap, self.spec_factor, self.min_prob, self.tree)
+        if own is not None and (best is None or own[2] >= best.score):  # ties: the request's own text
+            best = Draft(*own)
         if best is not None:
             if best.source >= 0 and self.cache is not None:
                 self.cache.touch(best.source)

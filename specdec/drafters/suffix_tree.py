@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -239,6 +240,63 @@ def draft_from(
         score -= neg
         push(child, -neg, len(tokens) - 1, depth + 1)
     return Draft(tokens, parents, score, match_length)
+
+
+class RequestIndex:
+    """A request's own text for suffix decoding: a :class:`SuffixTrie` of it and the nodes of its
+    context's suffixes, grown token by token, and the best draft below them. The reference of the C++
+    index (``kernels.suffix_index``: the same drafts and ties, ~4× faster to grow, ~4.5 against ~1.2 µs a
+    token at depth 24, and ~9× faster to draft from), which serves where that one is not built.
+
+    Args:
+        max_depth: the trie's depth (the longest match plus the deepest draft).
+
+    Attributes:
+        num_indexed: tokens indexed so far (positions ``0 .. num_indexed - 1``).
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        self.trie = SuffixTrie(max_depth)
+        self.active = self.trie.start()  # active[i]: the node of the sequence's suffix of length i
+        self.num_indexed = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return self.trie.num_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.trie.max_depth
+
+    def extend(self, tokens: Sequence[int], start: int) -> None:
+        """Index ``tokens`` as positions ``start, start + 1, ...`` of the sequence (the next ones)."""
+        trie, active = self.trie, self.active
+        for i, t in enumerate(tokens, start):
+            active = trie.extend(active, int(t), i)
+        self.active = active
+        self.num_indexed = max(self.num_indexed, start + len(tokens))
+
+    def best_draft(
+        self, max_match: int, max_drafts: int, cap: int, spec_factor: float, min_prob: float, tree: bool
+    ) -> tuple[list[int], list[int] | None, float, int] | None:
+        """The draft of highest score (:func:`draft_from`) below each suffix of the context of 1 ..
+        ``max_match`` tokens (shortest first, up to the first without a continuation), each with a budget
+        of ``min(cap, ceil(spec_factor × length))`` drafts; ties go to the longer match. None (nothing
+        to draft), or ``(token_ids, parents, score, match_length)``."""
+        best: Draft | None = None
+        trie = self.trie
+        for length in range(1, min(max_match, len(self.active) - 1) + 1):
+            node = self.active[length]
+            if trie.kids[node] is None:  # no earlier occurrence continued; nor will a longer suffix
+                break
+            budget = min(cap, math.ceil(spec_factor * length))
+            d = draft_from(trie, node, max_drafts, budget, min_prob, tree, length)
+            if d.token_ids and (best is None or d.score >= best.score):
+                best = d
+        return None if best is None else (best.token_ids, best.parents, best.score, best.match_length)
+
+    def to_dict(self) -> dict:
+        return self.trie.to_dict()
 
 
 def standalone_nodes(tokens: Sequence[int], max_depth: int, limit: int) -> int | None:
