@@ -36,7 +36,14 @@ Columns (``summary.json`` rows; ``concurrency.md``):
   ``tokens_per_s_passes``: each pass's figure (their spread is the noise of the cell).
 - ``speedup``: ``tokens_per_s`` ÷ plain decoding's at the same concurrency, measured in the same block
   (``plain_tokens_per_s``; the plain row: 1.0).
-- ``tpot_p50_ms`` / ``tpot_p99_ms``: time per output token, per request (latency − time to first token)
+- ``steady_tokens_per_s``, ``steady_speedup`` (``arrivals=closed_loop``): the same over the part of the
+  cell before its last request is admitted (:class:`SteadyWindow`; passes summed), while the batch is
+  held at c, against plain decoding's over its own such part. After it the batch drains: plain
+  decoding's requests, started together and writing ``max_tokens`` each, finish in one step, while
+  speculation's finish one by one and their last steps run a shrinking batch (at 32 clients on SmolLM2,
+  static k = 1 spent 19 % of its time there at 0.7× its full-batch rate). A server whose clients keep
+  coming has no drain; a benchmark's last requests do.
+: time per output token, per request (latency − time to first token)
   ÷ (generated tokens − 1), its median and 99th percentile over the cell's requests (linear
   interpolation; with few requests p99 is near the slowest). ``ttft_p50_ms``: the median time to first
   token (queueing and prefill included: a round's requests all arrive at once).
@@ -213,6 +220,52 @@ def tpot_s(metrics: dict[str, Any]) -> float | None:
     return (float(latency) - float(ttft)) / (n - 1)
 
 
+class SteadyWindow:
+    """The steady part of a closed-loop cell: from its first step until the step that admits its last
+    request (the waiting queue empties), the batch held at c; after it the batch drains, which costs
+    an engine whose requests finish at different times (speculation) more than one whose requests run
+    in lockstep (plain decoding, ``ignore_eos``: every request of a round finishes in the same step).
+    Wraps ``engine.step`` for one ``generate`` call and counts the tokens committed meanwhile.
+
+    Attributes:
+        tokens: output tokens committed in the window.
+        time_s: its wall time (0 until it closed).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.tokens, self.time_s = engine, 0, 0.0
+        self._seen: dict[str, int] = {}
+        self._start: float | None = None
+        self._open = True
+
+    def __enter__(self) -> SteadyWindow:
+        step = self.engine.step
+
+        def counted() -> Any:
+            if self._start is None:
+                self._start = time.perf_counter()
+            out = step()
+            if self._open:
+                for req in out:
+                    n = req.num_output_tokens
+                    self.tokens += n - self._seen.get(req.request_id, 0)
+                    self._seen[req.request_id] = n
+                if not self.engine.scheduler.waiting:
+                    self.time_s = time.perf_counter() - self._start
+                    self._open = False
+            return out
+
+        self._own = vars(self.engine).get("step")  # a step already wrapped on the instance, or None
+        self.engine.step = counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._own is None:
+            del self.engine.step  # the class's method again
+        else:
+            self.engine.step = self._own
+
+
 def run_cell(
     llm: Any,
     prompts: Sequence[Sequence[int]],
@@ -238,9 +291,14 @@ def run_cell(
         batches = [
             [prompts[(r * concurrency + i) % len(prompts)] for i in range(concurrency)] for r in range(rounds)
         ]
+    steady: SteadyWindow | None = None
     try:
         for batch in batches:
-            timed = time_together(llm, batch, params, reset_spec_stats=False)
+            if arrivals == "closed_loop":
+                with SteadyWindow(llm.engine) as steady:
+                    timed = time_together(llm, batch, params, reset_spec_stats=False)
+            else:
+                timed = time_together(llm, batch, params, reset_spec_stats=False)
             outputs += timed.outputs
             metrics += timed.metrics
             elapsed += timed.time_s
@@ -262,6 +320,11 @@ def run_cell(
         "tokens": tokens,
         "time_s": elapsed,
         "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+        "steady_tokens": steady.tokens if steady is not None else None,
+        "steady_time_s": steady.time_s if steady is not None else None,
+        "steady_tokens_per_s": steady.tokens / steady.time_s
+        if steady is not None and steady.time_s
+        else None,
         "tpot_p50_ms": None if tpot50 is None else 1e3 * tpot50,
         "tpot_p99_ms": None if tpot99 is None else 1e3 * tpot99,
         "ttft_p50_ms": None if ttft50 is None else 1e3 * ttft50,
@@ -307,6 +370,10 @@ def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
         row[key] = sum(p[key] for p in passes)
     row["tokens_per_s"] = row["tokens"] / row["time_s"] if row["time_s"] > 0 else None
     row["tokens_per_s_passes"] = rates
+    if all(p.get("steady_time_s") for p in passes):
+        row["steady_tokens"] = sum(p["steady_tokens"] for p in passes)
+        row["steady_time_s"] = sum(p["steady_time_s"] for p in passes)
+        row["steady_tokens_per_s"] = row["steady_tokens"] / row["steady_time_s"]
     return row
 
 
@@ -375,13 +442,15 @@ def run_drafter(
                 cell["greedy_equal"] = outputs == plain_outputs.get(c, outputs)
                 passes[i].append(cell)
         plain_passes[c] = passes[0]
-        plain_rate = merge_passes(passes[0])["tokens_per_s"]
+        plain_merged = merge_passes(passes[0])
+        plain_rate = plain_merged["tokens_per_s"]
         for (system, name, k, _), cell_passes in zip(cells[1:], passes[1:]):
             label = name if system == "policy" else f"static k={k}"
             row = {"drafter": drafter, "system": system, "policy": name, "k": k, "label": label}
             row.update(merge_passes(cell_passes))
             row["greedy_equal"] = all(p["greedy_equal"] for p in cell_passes)
             row["plain_tokens_per_s"] = plain_rate
+            row["plain_steady_tokens_per_s"] = plain_merged.get("steady_tokens_per_s")
             _log_cell(row)
             rows.append(row)
     del llm
@@ -417,6 +486,10 @@ def derive(rows: list[dict[str, Any]], drafters: Sequence[str]) -> list[dict[str
             r["speedup"] = r["tokens_per_s"] / rate
         else:
             r["speedup"] = None
+        base = plain.get(r["concurrency"])
+        steady_plain = r.get("plain_steady_tokens_per_s") or (base or {}).get("steady_tokens_per_s")
+        steady = r.get("steady_tokens_per_s")
+        r["steady_speedup"] = steady / steady_plain if steady and steady_plain else None
         r.update(oracle_k=None, oracle_tokens_per_s=None, vs_oracle=None, meets_targets=None)
     oracle: list[dict[str, Any]] = []
     for d in drafters:
@@ -486,9 +559,10 @@ def format_table(result: dict[str, Any]) -> str:
     rows = result["rows"]
     policies = list(cfg["policies"])
     by_cell = {(r["drafter"], r["label"], r["concurrency"]): r for r in rows}
+    steady = any(r.get("steady_speedup") is not None for r in rows)  # closed loop
     head = ["drafter", "c", "plain tok/s", "oracle", "oracle speedup"]
     for p in policies:
-        head += [f"{p} speedup", f"{p} ÷ oracle"]
+        head += [f"{p} speedup", f"{p} ÷ oracle"] + ([f"{p} steady"] if steady else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for o in result["oracle"]:
         d, c = o["drafter"], o["concurrency"]
@@ -506,13 +580,13 @@ def format_table(result: dict[str, Any]) -> str:
             cells += [
                 format_cell(speedup, ".2f", "×") + _miss(speedup, TARGET_SPEEDUP),
                 format_cell(vs_oracle, ".2f") + _miss(vs_oracle, TARGET_VS_ORACLE),
-            ]
+            ] + ([format_cell(r.get("steady_speedup"), ".2f", "×")] if steady else [])
         lines.append("| " + " | ".join(cells) + " |")
     cols = (
-        "| drafter | system | c | requests | tok/s | speedup | TPOT p50 / p99 (ms) | τ | acceptance | "
-        "draft % | verify % | depth | ÷ oracle | greedy equal |"
+        "| drafter | system | c | requests | tok/s | speedup | steady speedup | TPOT p50 / p99 (ms) | τ | "
+        "acceptance | draft % | verify % | depth | ÷ oracle | greedy equal |"
     )
-    lines += ["", cols, "|" + "---|" * 14]
+    lines += ["", cols, "|" + "---|" * 15]
     for r in rows:
         pct = [None if r[k] is None else 100 * r[k] for k in ("draft_share", "verify_share")]
         tpot = f"{format_cell(r['tpot_p50_ms'], '.1f')} / {format_cell(r['tpot_p99_ms'], '.1f')}"
@@ -523,6 +597,7 @@ def format_table(result: dict[str, Any]) -> str:
             str(r["num_requests"]),
             format_cell(r["tokens_per_s"], ".1f"),
             format_cell(r["speedup"], ".2f", "×"),
+            format_cell(r.get("steady_speedup"), ".2f", "×"),
             tpot,
             format_cell(r["tau"]),
             format_cell(r["acceptance_rate"], ".3f"),
@@ -548,7 +623,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"{' (ignore_eos)' if cfg['ignore_eos'] else ''}, at least {cfg['min_requests']} requests per cell, "
         f"policies at k={cfg['num_speculative_tokens']}, engines at k={result['engine_k']}, "
         f"{result['torch_threads']} torch threads, greedy. Oracle: the best of plain decoding and the static "
-        "k rows in hindsight (✗: a policy's figure below its target). greedy equal: the outputs equal plain "
+        "k rows in hindsight (✗: a policy's figure below its target). steady speedup (closed loop): over "
+        "the part of each cell before its last request is admitted, the batch held at c, against plain "
+        "decoding's (the drain after it is left out). greedy equal: the outputs equal plain "
         "decoding's at the same concurrency token for token (exact in float32 only)."
     )
     if result.get("huge_pages_warning"):

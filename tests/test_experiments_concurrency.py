@@ -231,6 +231,17 @@ def test_passes_merge_and_speedups_use_the_blocks_plain():
     (oracle,) = derive(rows, ["ngram"])
     assert rows[1]["speedup"] == pytest.approx(1.0) and rows[2]["speedup"] == pytest.approx(1.1)
     assert oracle["k"] == 1 and rows[1]["vs_oracle"] == pytest.approx(30 / 33)
+    assert all(r["steady_speedup"] is None for r in rows)  # not closed loop
+    # Closed loop: the steady windows' tokens and seconds are summed over the passes too, and the steady
+    # speedup is over the block's plain steady rate.
+    for p, (n, t) in zip((a, b, c), ((60, 0.5), (50, 1.0), (40, 1.0))):
+        p.update(steady_tokens=n, steady_time_s=t)
+    row = merge_passes([a, b, c])
+    assert (row["steady_tokens"], row["steady_time_s"]) == (150, 2.5) and row["steady_tokens_per_s"] == 60.0
+    rows[1].update(steady_tokens_per_s=66.0, plain_steady_tokens_per_s=60.0)
+    rows[0]["steady_tokens_per_s"] = 50.0
+    derive(rows, ["ngram"])
+    assert rows[1]["steady_speedup"] == pytest.approx(1.1) and rows[0]["steady_speedup"] == 1.0
 
 
 def test_derive_oracle_and_targets():
@@ -396,8 +407,14 @@ def test_closed_loop_cells_keep_c_requests_running(hydra_conf, tiny_model_dirs, 
     assert max(running) == 2 and running.count(2) > len(running) // 2  # two in flight until the last
     assert llm.engine.scheduler.config.max_num_seqs == 64
     assert outputs[5] == outputs[0]  # prompt 5 is prompt 0 again (cycling)
+    # The steady window ends with the step that admits the last request: two pairs of 4 tokens each, then
+    # the last pair's first tokens (plain decoding runs the pairs in lockstep); its seconds are measured.
+    assert row["steady_tokens"] == 18 and 0 < row["steady_time_s"] < row["time_s"]
+    assert row["steady_tokens_per_s"] == pytest.approx(18 / row["steady_time_s"])
+    assert "step" not in vars(llm.engine)  # the step counter unwrapped
     together, _ = run_cell(llm, prompts, 2, 3, params)
     assert together["num_requests"] == 6 and together["tokens"] == 24
+    assert together["steady_tokens_per_s"] is None  # rounds submitted together: no steady window
 
 
 def test_plot_speedup_vs_concurrency(tmp_path):
