@@ -37,6 +37,9 @@ class CacheConfig:
         kv_cache_memory_bytes: memory budget for the pool when ``num_kv_blocks`` is None.
         kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` (one float32 scale per token and KV
             head; see :mod:`specdec.quantization.kv_cache`). A draft model's KV stays in its own dtype.
+        kv_huge_pages: on the CPU, allocate the target's pool on transparent huge pages
+            (:func:`specdec.engine.huge_pages.zeros_on_huge_pages`; ``LLM`` sets it with its
+            ``huge_pages``).
     """
 
     block_size: int = 16
@@ -44,6 +47,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int = 2 * 1024**3
     kv_cache_dtype: str = "auto"
+    kv_huge_pages: bool = False
 
     def __post_init__(self) -> None:
         from specdec.quantization.kv_cache import check_kv_cache_dtype
@@ -54,6 +58,8 @@ class CacheConfig:
         _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.kv_huge_pages, bool):
+            raise ConfigError(f"kv_huge_pages must be a bool, got {self.kv_huge_pages!r}")
 
 
 @dataclass

@@ -171,7 +171,12 @@ class LLM:
         check_huge_pages(huge_pages)
         self.grammar_backend_name = check_grammar_backend(grammar_backend)
         cache_config = CacheConfig(
-            block_size, num_kv_blocks, enable_prefix_caching, kv_cache_memory_bytes, kv_cache_dtype
+            block_size,
+            num_kv_blocks,
+            enable_prefix_caching,
+            kv_cache_memory_bytes,
+            kv_cache_dtype,
+            kv_huge_pages=wanted(huge_pages, resolve_device(device)),
         )
         scheduler_config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len)
         self.model_dir = resolve_model(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -263,6 +264,8 @@ class ModelRunner:
         kv_caches: per layer ``(k_cache, v_cache)`` to read and write instead of allocating them: another
             runner's, of the same shapes (the quantized self-drafter on the target's caches); None
             allocates zero-filled ones.
+        kv_zeros: allocates the zero-filled caches on the CPU (``zeros(shape, dtype)``, e.g.
+            :func:`specdec.engine.huge_pages.zeros_on_huge_pages`); None: ``torch.zeros``.
 
     The model's :attr:`~specdec.models.decoder.DecoderLM.feature_layers` (EAGLE-3's fused layers) are the
     runner's: taken when it is built and put back on the model before each forward where another engine
@@ -282,6 +285,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         compilation: CompilationConfig | None = None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        kv_zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         #: What this runner's forwards return as features (the model's setting when it was built).
@@ -294,7 +298,7 @@ class ModelRunner:
         self.attention = select_attention_backend(self.device, attention, kv_cache_dtype)
         if kv_caches is None:
             kv_caches = allocate_kv_caches(
-                cfg, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype
+                cfg, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype, kv_zeros
             )
         else:
             want = allocate_kv_caches(cfg, 1, block_size, self.dtype, "meta", kv_cache_dtype)[0][0]

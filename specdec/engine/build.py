@@ -17,6 +17,7 @@ import torch
 from specdec.config import CacheConfig, CompilationConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
 from specdec.drafters.base import Drafter, DrafterContext
 from specdec.drafters.registry import build_drafter, get_drafter
+from specdec.engine.huge_pages import zeros_on_huge_pages
 from specdec.kv_cache.manager import KVCacheManager, cdiv
 from specdec.model_runner import ModelRunner
 from specdec.models.config import ModelArchConfig
@@ -119,7 +120,12 @@ def build_engine_parts(
             use_packed_weights(m)
         use_cpu_layer_ops(m)  # norms, RoPE and SiLU products through the CPU kernels where they build
     runner = ModelRunner(
-        model, num_blocks, bs, kv_cache_dtype=cache_config.kv_cache_dtype, compilation=compilation
+        model,
+        num_blocks,
+        bs,
+        kv_cache_dtype=cache_config.kv_cache_dtype,
+        compilation=compilation,
+        kv_zeros=zeros_on_huge_pages if cache_config.kv_huge_pages else None,
     )
     bind_target_kv = getattr(drafter, "bind_target_kv", None)
     if bind_target_kv is not None:

@@ -22,6 +22,7 @@ bfloat16 and 12,240 in int8.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,9 +78,12 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str,
     kv_cache_dtype: str = "auto",
+    zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer ``(k_cache, v_cache)``, zero-filled (padded reads of unused slots are masked, and 0 ×
-    finite stays finite; an int8 slot of zeros has scale 0 and dequantizes to 0).
+    finite stays finite; an int8 slot of zeros has scale 0 and dequantizes to 0). ``zeros(shape, dtype)``
+    allocates each one on the CPU instead of ``torch.zeros`` (the engine's pool on huge pages:
+    :func:`specdec.engine.huge_pages.zeros_on_huge_pages`); ignored on other devices.
 
     Raises:
         ConfigError: unknown ``kv_cache_dtype``, or int8 with a head size not divisible by 4 (the scale's
@@ -89,13 +93,15 @@ def allocate_kv_caches(
         raise ConfigError(f"kv_cache_dtype='int8' needs head_dim divisible by 4, got {cfg.head_dim}")
     shape = kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_cache_dtype)
     storage = kv_storage_dtype(dtype, kv_cache_dtype)
-    return [
-        (
-            torch.zeros(shape, dtype=storage, device=device),
-            torch.zeros(shape, dtype=storage, device=device),
-        )
-        for _ in range(cfg.num_layers)
-    ]
+    if zeros is None or torch.device(device).type != "cpu":
+        return [
+            (
+                torch.zeros(shape, dtype=storage, device=device),
+                torch.zeros(shape, dtype=storage, device=device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+    return [(zeros(shape, storage), zeros(shape, storage)) for _ in range(cfg.num_layers)]
 
 
 def kv_bytes_per_token(cfg: ModelArchConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:

@@ -29,6 +29,78 @@ def test_collapse_keeps_every_byte_and_address():
     assert stats.collapsed_bytes + stats.refused_bytes == windows * HUGE_PAGE
 
 
+def _huge_kib_at(addr: int) -> int | None:
+    """``AnonHugePages`` (KiB) of the mapping holding ``addr`` in ``/proc/self/smaps``; None off Linux."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's header: "start-end perms ..."
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def test_zeros_on_huge_pages_are_zeros_faulted_onto_huge_pages():
+    shape = (3 * HUGE_PAGE // 64, 32)  # 6 MiB of bfloat16: at least two whole windows
+    t = huge_pages.zeros_on_huge_pages(shape, torch.bfloat16)
+    assert t.shape == shape and t.dtype == torch.bfloat16 and not t.any()
+    assert t.data_ptr() % HUGE_PAGE == 0 or huge_pages._unavailable()  # from a 2 MiB boundary
+    small = huge_pages.zeros_on_huge_pages((3, 5), torch.float32)  # under a huge page: torch.zeros
+    assert small.shape == (3, 5) and not small.any()
+    if huge_pages._unavailable():
+        pytest.skip("huge pages not available here")
+    with open(huge_pages._THP + "enabled") as f:
+        if "[madvise]" not in f.read():
+            pytest.skip("transparent huge pages not in madvise mode: nothing to ask for")
+    huge = _huge_kib_at(t.data_ptr())
+    if huge is None:
+        pytest.skip("no /proc/self/smaps")
+    # Faulted in as it was zeroed (a fragmented host may be refused some: at least one window).
+    assert huge * 1024 >= HUGE_PAGE
+    plain = torch.zeros(shape, dtype=torch.bfloat16)
+    assert _huge_kib_at(plain.data_ptr()) == 0  # torch.zeros, not asked for: 4 KiB pages
+
+
+def test_the_kv_pool_goes_on_huge_pages_with_the_weights(tmp_path, monkeypatch):
+    calls = []
+
+    def zeros(shape, dtype):
+        calls.append((tuple(shape), dtype))
+        return torch.zeros(shape, dtype=dtype)
+
+    monkeypatch.setattr("specdec.engine.build.zeros_on_huge_pages", zeros)
+    make_tiny_hf_model("llama", 4, 2, False, vocab_size=256).save_pretrained(tmp_path / "m")
+    on = LLM(str(tmp_path / "m"), skip_tokenizer_init=True, huge_pages=True, num_kv_blocks=8)
+    layers = on.engine.model_cfg.num_layers
+    assert len(calls) == 2 * layers  # each layer's K and V
+    assert calls[0] == (tuple(on.engine.runner.kv_caches[0][0].shape), on.engine.runner.kv_caches[0][0].dtype)
+    LLM(str(tmp_path / "m"), skip_tokenizer_init=True, huge_pages=False, num_kv_blocks=8)
+    assert len(calls) == 2 * layers  # huge_pages=False: torch.zeros
+    monkeypatch.undo()  # the real allocation: a pool of 4 MiB a cache, decoding as on 4 KiB pages
+    prompts = [{"prompt_token_ids": [1, 5 + i, 30 + 7 * i, 200 - i]} for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for on in (True, False):
+        llm = LLM(str(tmp_path / "m"), skip_tokenizer_init=True, huge_pages=on, num_kv_blocks=4096)
+        k_cache = llm.engine.runner.kv_caches[0][0]
+        assert k_cache.untyped_storage().nbytes() >= 2 * HUGE_PAGE
+        if on and not huge_pages._unavailable():
+            assert k_cache.data_ptr() % HUGE_PAGE == 0  # our mapping, from a 2 MiB boundary
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
+    assert outs[0] == outs[1] and all(len(o) == 12 for o in outs[0])
+    with pytest.raises(ConfigError, match="kv_huge_pages must be a bool"):
+        from specdec.config import CacheConfig
+
+        CacheConfig(kv_huge_pages="yes")
+
+
 def test_opaque_and_small_tensors_are_skipped_without_error():
     opaque = torch.randn(1024, 1024).to_mkldnn()  # oneDNN's own layout: no plain storage to ask for
     stats = collapse_tensors([opaque, torch.ones(16)])
