@@ -43,7 +43,7 @@ Columns (``summary.json`` rows; ``concurrency.md``):
   speculation's finish one by one and their last steps run a shrinking batch (at 32 clients on SmolLM2,
   static k = 1 spent 19 % of its time there at 0.7× its full-batch rate). A server whose clients keep
   coming has no drain; a benchmark's last requests do.
-: time per output token, per request (latency − time to first token)
+- ``tpot_p50_ms`` / ``tpot_p99_ms``: time per output token, per request (latency − time to first token)
   ÷ (generated tokens − 1), its median and 99th percentile over the cell's requests (linear
   interpolation; with few requests p99 is near the slowest). ``ttft_p50_ms``: the median time to first
   token (queueing and prefill included: a round's requests all arrive at once).
