@@ -36,13 +36,13 @@ Columns (``summary.json`` rows; ``concurrency.md``):
   ``tokens_per_s_passes``: each pass's figure (their spread is the noise of the cell).
 - ``speedup``: ``tokens_per_s`` ÷ plain decoding's at the same concurrency, measured in the same block
   (``plain_tokens_per_s``; the plain row: 1.0).
-- ``steady_tokens_per_s``, ``steady_speedup`` (``arrivals=closed_loop``): the same over the part of the
-  cell before its last request is admitted (:class:`SteadyWindow`; passes summed), while the batch is
-  held at c, against plain decoding's over its own such part. After it the batch drains: plain
-  decoding's requests, started together and writing ``max_tokens`` each, finish in one step, while
-  speculation's finish one by one and their last steps run a shrinking batch (at 32 clients on SmolLM2,
-  static k = 1 spent 19 % of its time there at 0.7× its full-batch rate). A server whose clients keep
-  coming has no drain; a benchmark's last requests do.
+- ``steady_tokens_per_s``, ``steady_speedup``, ``steady_steps`` (``arrivals=closed_loop``): the same over
+  the cell's full-batch steps, those that ran with c requests running (:class:`SteadyWindow`; passes
+  summed), against plain decoding's (all of whose steps are full: its requests run in lockstep). Once
+  the last request is admitted, speculation's batch drains: its requests finish one by one and its last
+  steps run a shrinking batch (at 32 clients on SmolLM2, static k = 1 spent 19 % of its time there at
+  0.7× its full-batch rate). A server whose clients keep coming has no drain; a benchmark's last
+  requests do.
 - ``tpot_p50_ms`` / ``tpot_p99_ms``: time per output token, per request (latency − time to first token)
   ÷ (generated tokens − 1), its median and 99th percentile over the cell's requests (linear
   interpolation; with few requests p99 is near the slowest). ``ttft_p50_ms``: the median time to first
@@ -221,49 +221,62 @@ def tpot_s(metrics: dict[str, Any]) -> float | None:
 
 
 class SteadyWindow:
-    """The steady part of a closed-loop cell: from its first step until the step that admits its last
-    request (the waiting queue empties), the batch held at c; after it the batch drains, which costs
-    an engine whose requests finish at different times (speculation) more than one whose requests run
-    in lockstep (plain decoding, ``ignore_eos``: every request of a round finishes in the same step).
-    Wraps ``engine.step`` for one ``generate`` call and counts the tokens committed meanwhile.
+    """The full-batch steps of a closed-loop cell: the steps that ran with ``max_num_seqs`` (= c)
+    requests running, and the tokens they committed. Plain decoding's requests, started together and
+    writing ``max_tokens`` each, run in lockstep, so every one of its steps is full; speculation's finish
+    one by one, and once the cell's last request is admitted its batch drains through steps of fewer
+    requests, which no server whose clients keep coming runs. Prompt chunks and decode steps count alike
+    while the batch is full. Wraps ``engine.step`` and ``engine.scheduler.schedule`` for one
+    ``generate`` call.
 
     Attributes:
-        tokens: output tokens committed in the window.
-        time_s: its wall time (0 until it closed).
+        tokens: output tokens committed in the full-batch steps.
+        time_s: their wall time.
+        steps: their number.
     """
 
     def __init__(self, engine: Any) -> None:
-        self.engine, self.tokens, self.time_s = engine, 0, 0.0
+        self.engine, self.tokens, self.time_s, self.steps = engine, 0, 0.0, 0
         self._seen: dict[str, int] = {}
-        self._start: float | None = None
-        self._open = True
+        self._running = 0
 
     def __enter__(self) -> SteadyWindow:
-        step = self.engine.step
+        engine, scheduler = self.engine, self.engine.scheduler
+        step, schedule = engine.step, scheduler.schedule
 
-        def counted() -> Any:
-            if self._start is None:
-                self._start = time.perf_counter()
-            out = step()
-            if self._open:
-                for req in out:
-                    n = req.num_output_tokens
-                    self.tokens += n - self._seen.get(req.request_id, 0)
-                    self._seen[req.request_id] = n
-                if not self.engine.scheduler.waiting:
-                    self.time_s = time.perf_counter() - self._start
-                    self._open = False
+        def scheduled() -> Any:
+            out = schedule()
+            self._running = len(scheduler.running)  # the step's batch, drafts waiting included
             return out
 
-        self._own = vars(self.engine).get("step")  # a step already wrapped on the instance, or None
-        self.engine.step = counted
+        def counted() -> Any:
+            self._running = 0
+            t0 = time.perf_counter()
+            out = step()
+            seconds = time.perf_counter() - t0
+            tokens = 0
+            for req in out:
+                n = req.num_output_tokens
+                tokens += n - self._seen.get(req.request_id, 0)
+                self._seen[req.request_id] = n
+            if self._running >= scheduler.config.max_num_seqs:
+                self.tokens += tokens
+                self.time_s += seconds
+                self.steps += 1
+            return out
+
+        self._wrapped = (counted, scheduled)
+        engine.step, scheduler.schedule = counted, scheduled
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._own is None:
-            del self.engine.step  # the class's method again
-        else:
-            self.engine.step = self._own
+        counted, scheduled = self._wrapped
+        for obj, name, wrapper in (
+            (self.engine, "step", counted),
+            (self.engine.scheduler, "schedule", scheduled),
+        ):
+            if vars(obj).get(name) is wrapper:  # ours still: the class's method again (else left alone)
+                delattr(obj, name)
 
 
 def run_cell(
@@ -322,6 +335,7 @@ def run_cell(
         "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
         "steady_tokens": steady.tokens if steady is not None else None,
         "steady_time_s": steady.time_s if steady is not None else None,
+        "steady_steps": steady.steps if steady is not None else None,
         "steady_tokens_per_s": steady.tokens / steady.time_s
         if steady is not None and steady.time_s
         else None,
@@ -373,6 +387,7 @@ def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
     if all(p.get("steady_time_s") for p in passes):
         row["steady_tokens"] = sum(p["steady_tokens"] for p in passes)
         row["steady_time_s"] = sum(p["steady_time_s"] for p in passes)
+        row["steady_steps"] = sum(p.get("steady_steps") or 0 for p in passes)
         row["steady_tokens_per_s"] = row["steady_tokens"] / row["steady_time_s"]
     return row
 
@@ -624,8 +639,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"policies at k={cfg['num_speculative_tokens']}, engines at k={result['engine_k']}, "
         f"{result['torch_threads']} torch threads, greedy. Oracle: the best of plain decoding and the static "
         "k rows in hindsight (✗: a policy's figure below its target). steady speedup (closed loop): over "
-        "the part of each cell before its last request is admitted, the batch held at c, against plain "
-        "decoding's (the drain after it is left out). greedy equal: the outputs equal plain "
+        "the steps that ran with c requests running, against plain decoding's (the drain after the last "
+        "request is admitted is left out). greedy equal: the outputs equal plain "
         "decoding's at the same concurrency token for token (exact in float32 only)."
     )
     if result.get("huge_pages_warning"):

@@ -407,14 +407,32 @@ def test_closed_loop_cells_keep_c_requests_running(hydra_conf, tiny_model_dirs, 
     assert max(running) == 2 and running.count(2) > len(running) // 2  # two in flight until the last
     assert llm.engine.scheduler.config.max_num_seqs == 64
     assert outputs[5] == outputs[0]  # prompt 5 is prompt 0 again (cycling)
-    # The steady window ends with the step that admits the last request: two pairs of 4 tokens each, then
-    # the last pair's first tokens (plain decoding runs the pairs in lockstep); its seconds are measured.
-    assert row["steady_tokens"] == 18 and 0 < row["steady_time_s"] < row["time_s"]
-    assert row["steady_tokens_per_s"] == pytest.approx(18 / row["steady_time_s"])
-    assert "step" not in vars(llm.engine)  # the step counter unwrapped
+    # Plain decoding runs the pairs in lockstep: every step has two requests running, all of it counts.
+    assert (
+        row["steady_tokens"] == 24 and row["steady_steps"] == 12 and 0 < row["steady_time_s"] <= row["time_s"]
+    )
+    assert row["steady_tokens_per_s"] == pytest.approx(24 / row["steady_time_s"])
+    assert "step" not in vars(llm.engine) and "schedule" not in vars(llm.engine.scheduler)  # unwrapped
     together, _ = run_cell(llm, prompts, 2, 3, params)
     assert together["num_requests"] == 6 and together["tokens"] == 24
     assert together["steady_tokens_per_s"] is None  # rounds submitted together: no steady window
+
+
+def test_the_steady_window_leaves_out_the_drain(tiny_model_dirs, fast_cpu_settings):
+    # Two requests running; the first writes 2 tokens, the others 6: the third runs its last two steps
+    # alone (the drain), which the window leaves out.
+    from experiments.concurrency import SteadyWindow
+    from sampling.params import SamplingParams
+    from specdec import LLM
+
+    llm = LLM(tiny_model_dirs["llama-gqa3-tied"], skip_tokenizer_init=True, dtype="float32", max_num_seqs=2)
+    prompts = [{"prompt_token_ids": [1 + i, 2 + i, 3 + i]} for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 6, 6)]
+    with SteadyWindow(llm.engine) as window:
+        outs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 6, 6]
+    assert (window.tokens, window.steps) == (2 + 6 + 4, 6) and window.time_s > 0
+    assert "step" not in vars(llm.engine)
 
 
 def test_plot_speedup_vs_concurrency(tmp_path):

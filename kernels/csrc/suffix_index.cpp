@@ -2,10 +2,11 @@
 // reference, specdec.drafters.suffix_tree.RequestIndex (SuffixTrie plus the context's active suffix nodes,
 // and draft_from), which the tests compare it with (tests/kernels/test_suffix_index.py).
 //
-// Why: in Python, indexing one token walks up to max_depth (24 by default) nodes, ~4.5 us a token at
-// that depth (a prompt before its first draft, then each drafting step's new token), and drafting from
-// the trie ~3.5 us a step on text with repeats; here ~1.2 us and ~0.4 us, and ~113 bytes a node instead
-// of ~270 (tests/kernels/test_suffix_index.py compares the two; figures in docs/concurrency.md).
+// Why: in Python, indexing one token walks up to max_depth nodes (20 with the defaults: suffix_max_match
+// 16 + 4 drafts), ~4.5 us a token at depth 24 for a 200-token prompt and ~7 us at 32k tokens, and drafting
+// from the trie ~3.5 us a step on text with repeats; here ~1.2 us (~4.6 us at 32k tokens, where the edge
+// map outgrows the caches), ~0.4 us, and ~113 bytes a node instead of ~270 (figures in
+// docs/suffix_decoding.md; tests/kernels/test_suffix_index.py checks the two give the same tries and drafts).
 //
 // Nodes are integer ids (the root is 0): count (occurrences of the node's string, truncated at max_depth),
 // seq (where the latest occurrence ends: larger is more recent, the tie-break), and the children in
@@ -34,11 +35,12 @@ class RequestSuffixIndex {
 
   // Index tokens[0..] as positions start, start + 1, ... of the sequence (SuffixTrie.extend per token).
   void extend(const std::vector<int64_t>& tokens, int64_t start) {
+    for (int64_t token : tokens)  // all checked first: a bad one changes nothing
+      TORCH_CHECK(token >= 0 && token < (int64_t(1) << 32), "token id out of range: ", token);
     std::vector<int32_t> next;
     next.reserve(static_cast<size_t>(max_depth_));
     int64_t pos = start;
     for (int64_t token : tokens) {
-      TORCH_CHECK(token >= 0 && token < (int64_t(1) << 32), "token id out of range: ", token);
       next.clear();
       next.push_back(0);
       for (int32_t node : active_) {
@@ -65,7 +67,8 @@ class RequestSuffixIndex {
     for (int64_t length = 1; length <= longest; ++length) {
       int32_t node = active_[static_cast<size_t>(length)];
       if (kids_[node].empty()) break;
-      int64_t budget = std::min<int64_t>(cap, static_cast<int64_t>(std::ceil(spec_factor * length)));
+      double wanted = std::ceil(spec_factor * static_cast<double>(length));  // min() in double: no overflow
+      int64_t budget = wanted >= static_cast<double>(cap) ? cap : static_cast<int64_t>(wanted);
       Draft d = draft_from(node, max_drafts, budget, min_prob, tree, length);
       if (!d.tokens.empty() && (!have || d.score >= best.score)) {
         best = std::move(d);

@@ -20,9 +20,9 @@ step's depth (``max_drafts``) and a tree's slots (``max_tree_nodes``); continuat
 below ``suffix_min_token_prob`` are not drafted.
 
 A request's own trie is the C++ index of :mod:`kernels.suffix_index` where the CPU kernels are built
-(~1.2 µs a token to grow, ~113 bytes a node), else its Python reference
-(:class:`~specdec.drafters.suffix_tree.RequestIndex`: the same drafts; ~4.5 µs a token, ~270 bytes a
-node in CPython 3.11, measured with tracemalloc); the global cache is the Python trie.
+(~1.2 µs a token to grow a 200-token prompt, ~4.6 at 32k tokens; ~113 bytes a node), else its Python
+reference (:class:`~specdec.drafters.suffix_tree.RequestIndex`: the same drafts; ~4.5 and ~7 µs a token,
+~270 bytes a node in CPython 3.11, measured with tracemalloc); the global cache is the Python trie.
 
 Memory: a trie holds up to ``suffix_max_match + k`` nodes per token of text that never repeats, so a
 32k-token request of code-like text takes ~650k nodes, ~70 MiB in C++ (~170 MiB in Python), while it
@@ -132,6 +132,7 @@ class SuffixDrafter(DrafterBase):
         #: Each request's own text (:class:`~specdec.drafters.suffix_tree.RequestIndex`, or its C++
         #: twin from :mod:`kernels.suffix_index` where that is built).
         self.states: RequestStates[Any] = RequestStates(self._new_state)
+        self._native = suffix_index.available()  # loads the CPU kernels now, not in a request's first draft
         self.num_local_drafts = 0
         self.num_global_drafts = 0
         self.counts = DraftCounts("suffix") if config.method == "suffix" else None
@@ -141,7 +142,7 @@ class SuffixDrafter(DrafterBase):
         self.catch_up_tokens = 0
 
     def _new_state(self) -> Any:
-        native = suffix_index.request_index(self.depth)
+        native = suffix_index.request_index(self.depth) if self._native else None
         return native if native is not None else RequestIndex(self.depth)
 
     def _catch_up(self, request: Request) -> Any:

@@ -164,12 +164,12 @@ def _errno() -> int:
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on the CPU, in memory faulted onto huge pages as it is zeroed:
-    a fresh anonymous mapping (untouched, so nothing is copied or collapsed, and start-up takes no
-    longer), marked ``MADV_HUGEPAGE`` before its first write, the tensor starting at its first 2 MiB
-    boundary. Under :data:`HUGE_PAGE` bytes, or where the platform cannot ask (see
-    :func:`collapse_tensors`), it is plain ``torch.zeros``; where the kernel finds no free huge page the
-    memory is zeroed on 4 KiB pages (never an error).
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU, in memory faulted onto huge pages as it is first
+    written: a fresh private anonymous mapping (the kernel's zero pages: nothing is written, copied or
+    collapsed at start-up, and only the part a run writes becomes resident), marked ``MADV_HUGEPAGE``,
+    the tensor starting at its first 2 MiB boundary. Under :data:`HUGE_PAGE` bytes, or where the platform
+    cannot ask (see :func:`collapse_tensors`), or the mapping fails, it is plain ``torch.zeros``; where
+    the kernel finds no free huge page a write faults in 4 KiB pages (never an error).
 
     For the KV pool (:func:`specdec.quantization.kv_cache.allocate_kv_caches`): a decode step gathers
     each request's blocks from every layer's cache, pages scattered over a pool of gigabytes; on 4 KiB
@@ -187,13 +187,17 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         return torch.zeros(shape, dtype=dtype)
     # Private and anonymous (Python's default anonymous mapping is shared memory, which anonymous huge
     # pages do not back): zero pages, none faulted in yet.
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no address space for it: torch's allocator, and its error if it fails too
+        return torch.zeros(shape, dtype=dtype)
     with contextlib.suppress(OSError):  # refused: 4 KiB pages
         buf.madvise(mmap.MADV_HUGEPAGE)
     start = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
     offset = -start % HUGE_PAGE
-    # The tensor keeps the mapping alive (frombuffer holds the buffer); freed with the last view.
-    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape).zero_()
+    # Zeros already (a fresh anonymous mapping reads as zeros). The tensor keeps the mapping alive
+    # (frombuffer holds the buffer); unmapped with the last view.
+    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
 def collapse_tensors(tensors: Iterable[torch.Tensor]) -> HugePageStats:

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from kernels import suffix_index
 from specdec.drafters.suffix_tree import RequestIndex
 
-pytestmark = pytest.mark.skipif(not suffix_index.available(), reason="the CPU kernels are not built here")
+pytestmark = pytest.mark.skipif(
+    not suffix_index.available(), reason="the C++ index is off here (CPU kernels not built, or switched off)"
+)
 
 
 def _pair(depth: int) -> tuple[object, RequestIndex]:
@@ -72,6 +74,15 @@ def test_a_draft_is_the_most_frequent_continuation_and_ties_go_to_the_most_recen
         assert index.best_draft(2, 2, 2, 1.0, 0.0, True)[:2] == ([5, 1], [-1, 0])
 
 
+def test_a_huge_spec_factor_is_capped_as_in_python():
+    native, ref = _pair(8)
+    for index in (native, ref):
+        index.extend([1, 2, 3, 4, 1, 2], 0)
+    for factor in (1e19, 1e300):
+        assert native.best_draft(4, 4, 4, factor, 0.0, False) == ref.best_draft(4, 4, 4, factor, 0.0, False)
+        assert native.best_draft(4, 4, 4, factor, 0.0, False)[0] == [3, 4, 1, 2]
+
+
 def test_nothing_to_draft_and_bad_tokens():
     native, ref = _pair(4)
     for index in (native, ref):
@@ -79,6 +90,11 @@ def test_nothing_to_draft_and_bad_tokens():
         index.extend([7, 8, 9], 0)
         assert index.best_draft(4, 4, 4, 1.0, 0.0, False) is None  # no repeat
     with pytest.raises(RuntimeError, match="token id out of range"):
-        native.extend([-1], 3)
+        native.extend([7, 8, -1], 3)
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        native.extend([2**32], 3)
+    assert native.num_indexed == 3 and native.to_dict() == ref.to_dict()  # nothing indexed by a bad call
+    native.extend([2**32 - 1, 2**31], 3)  # the largest ids are fine
+    assert native.num_indexed == 5
     with pytest.raises(RuntimeError, match="max_depth must be >= 1"):
         suffix_index.request_index(0)
