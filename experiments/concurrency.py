@@ -37,7 +37,7 @@ Columns (``summary.json`` rows; ``concurrency.md``):
 - ``speedup``: ``tokens_per_s`` ÷ plain decoding's at the same concurrency, measured in the same block
   (``plain_tokens_per_s``; the plain row: 1.0).
 - ``steady_tokens_per_s``, ``steady_speedup``, ``steady_steps`` (``arrivals=closed_loop``): the same over
-  the cell's full-batch steps, those that ran with c requests running (:class:`SteadyWindow`; passes
+  the cell's full-batch steps, those that ran with c requests in flight (:class:`SteadyWindow`; passes
   summed), against plain decoding's (all of whose steps are full: its requests run in lockstep). Once
   the last request is admitted, speculation's batch drains: its requests finish one by one and its last
   steps run a shrinking batch (at 32 clients on SmolLM2, static k = 1 spent 19 % of its time there at
@@ -222,7 +222,8 @@ def tpot_s(metrics: dict[str, Any]) -> float | None:
 
 class SteadyWindow:
     """The full-batch steps of a closed-loop cell: the steps that ran with ``max_num_seqs`` (= c)
-    requests running, and the tokens they committed. Plain decoding's requests, started together and
+    requests in flight (running, or queued behind the step's token budget), and the tokens they
+    committed. Plain decoding's requests, started together and
     writing ``max_tokens`` each, run in lockstep, so every one of its steps is full; speculation's finish
     one by one, and once the cell's last request is admitted its batch drains through steps of fewer
     requests, which no server whose clients keep coming runs. Prompt chunks and decode steps count alike
@@ -246,7 +247,9 @@ class SteadyWindow:
 
         def scheduled() -> Any:
             out = schedule()
-            self._running = len(scheduler.running)  # the step's batch, drafts waiting included
+            # Requests in flight: running, or queued behind the step's token budget (a prompt waits
+            # its turn while the batch is full). Fewer than c: the cell's last requests drain.
+            self._running = len(scheduler.running) + len(scheduler.waiting)
             return out
 
         def counted() -> Any:
@@ -639,7 +642,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"policies at k={cfg['num_speculative_tokens']}, engines at k={result['engine_k']}, "
         f"{result['torch_threads']} torch threads, greedy. Oracle: the best of plain decoding and the static "
         "k rows in hindsight (✗: a policy's figure below its target). steady speedup (closed loop): over "
-        "the steps that ran with c requests running, against plain decoding's (the drain after the last "
+        "the steps that ran with c requests in flight, against plain decoding's (the drain after the last "
         "request is admitted is left out). greedy equal: the outputs equal plain "
         "decoding's at the same concurrency token for token (exact in float32 only)."
     )
