@@ -50,7 +50,14 @@ from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
 from specdec.drafters.draft_stats import DraftCounts
 from specdec.drafters.registry import register_drafter
-from specdec.drafters.suffix_tree import Draft, RequestIndex, SuffixCache, SuffixTrie, draft_from
+from specdec.drafters.suffix_tree import (
+    Draft,
+    RequestIndex,
+    SuffixCache,
+    SuffixTrie,
+    draft_budget,
+    draft_from,
+)
 from specdec.errors import ConfigError
 from specdec.request import Request, RequestStatus
 
@@ -161,9 +168,8 @@ class SuffixDrafter(DrafterBase):
         return max(0, request.num_computed_tokens + num_new_tokens - 1 - done)
 
     def budget(self, match_length: int, cap: int) -> int:
-        """Drafts allowed after a match of ``match_length`` tokens: ``ceil(spec_factor × length)``, at most
-        ``cap``."""
-        return min(cap, math.ceil(self.spec_factor * match_length))
+        """Drafts allowed after a match of ``match_length`` tokens (:func:`draft_budget`)."""
+        return draft_budget(self.spec_factor, match_length, cap)
 
     def draft(self, request: Request, max_drafts: int, max_tree_nodes: int) -> Draft | None:
         """The best draft for ``request`` (highest expected accepted length over every match length and

@@ -242,6 +242,12 @@ def draft_from(
     return Draft(tokens, parents, score, match_length)
 
 
+def draft_budget(spec_factor: float, match_length: int, cap: int) -> int:
+    """Drafts allowed after a match of ``match_length`` tokens: ``ceil(spec_factor × match_length)``
+    (SuffixDecoding's ``MAX_SPEC = α p``), at most ``cap``."""
+    return min(cap, math.ceil(spec_factor * match_length))
+
+
 class RequestIndex:
     """A request's own text for suffix decoding: a :class:`SuffixTrie` of it and the nodes of its
     context's suffixes, grown token by token, and the best draft below them. The reference of the C++
@@ -290,7 +296,7 @@ class RequestIndex:
             node = self.active[length]
             if trie.kids[node] is None:  # no earlier occurrence continued; nor will a longer suffix
                 break
-            budget = min(cap, math.ceil(spec_factor * length))
+            budget = draft_budget(spec_factor, length, cap)
             d = draft_from(trie, node, max_drafts, budget, min_prob, tree, length)
             if d.token_ids and (best is None or d.score >= best.score):
                 best = d

@@ -1,4 +1,4 @@
-"""Transparent huge pages for the engine's weights on the CPU.
+"""Transparent huge pages for the engine's weights and KV pool on the CPU.
 
 A decode step streams every weight once. On 4 KiB pages each page of a stream costs a TLB miss and a page
 walk; the kernels' prefetches hide part of it, not all. Linux backs a range with huge pages (2 MiB on
@@ -22,6 +22,9 @@ environment turns ``"auto"`` off, as the test suite does to keep its many engine
 in the C library, a kernel before 6.1) the memory stays on the pages it has and
 :attr:`HugePageStats.reason` says why; a window the kernel refuses (``EAGAIN``/``ENOMEM``: memory it
 cannot compact) is counted in ``refused_bytes``.
+
+The KV pool is not collapsed: the engine maps it fresh and advises it before its first write
+(:func:`zeros_on_huge_pages`, ``CacheConfig.kv_huge_pages``, set by the same ``huge_pages`` argument).
 
 Side effects, beyond the weights' pages: a window reaches past a weight's storage into whatever shares
 its 2 MiB (other heap allocations; their contents do not change), that neighbouring memory becomes
@@ -177,7 +180,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     as a long-running pool hands them out: 32 requests at 200 tokens 31.4 → 29.7 ms a step, 8 at 1000
     tokens 32.3 → 30.2 ms; one request at 200 tokens unchanged, 12.0 ms)."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if (
         nbytes < HUGE_PAGE
         or _unavailable()
