@@ -18,6 +18,13 @@ torch::Tensor linear_packed_op(const torch::Tensor& x, const torch::Tensor& w, c
   return linear_packed(x, w, packed, bias.has_value() ? *bias : torch::Tensor());
 }
 
+// linear_packed's output widened to float32 (an LM head's logits), specdec_cpu::linear_packed_logits;
+// schema "linear_packed_logits(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor".
+torch::Tensor linear_packed_logits_op(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
+                                      const std::optional<torch::Tensor>& bias) {
+  return linear_packed_logits(x, w, packed, bias.has_value() ? *bias : torch::Tensor());
+}
+
 // The weight-only int8 product (cpu_gemv_int8.cpp), specdec_cpu::gemv_int8, likewise; schema
 // "gemv_int8(Tensor x, Tensor codes, Tensor scales, Tensor? bias, Tensor? packed=None) -> Tensor"
 // (kernels/cpu_gemv_int8.py).
@@ -31,6 +38,7 @@ torch::Tensor gemv_int8_op(const torch::Tensor& x, const torch::Tensor& codes, c
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("gemv", &gemv_op);
   m.impl("linear_packed", &linear_packed_op);
+  m.impl("linear_packed_logits", &linear_packed_logits_op);
   m.impl("gemv_int8", &gemv_int8_op);
   // The layer's small operations (kernels/csrc/cpu_layer_ops.cpp; schemas and fakes in
   // kernels/cpu_layer_ops.py), dispatcher operators for the same reason.
@@ -40,7 +48,10 @@ TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
 }
 
 // A oneDNN-packed weight is an MkldnnCPU tensor, which sends the call to that key.
-TORCH_LIBRARY_IMPL(specdec_cpu, MkldnnCPU, m) { m.impl("linear_packed", &linear_packed_op); }
+TORCH_LIBRARY_IMPL(specdec_cpu, MkldnnCPU, m) {
+  m.impl("linear_packed", &linear_packed_op);
+  m.impl("linear_packed_logits", &linear_packed_logits_op);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x @ w^T + bias for a few rows (kernels/csrc/cpu_gemv.cpp)");

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace specdec_cpu_amx {
 
@@ -91,17 +92,45 @@ inline void group_product(const uint16_t* xb, int64_t xs, const uint16_t* pg, in
   }
 }
 
-// y [M, N] (bfloat16 bits, row stride N) = x @ w^T + bias. x: rows of at least KB * 32 elements (zeros
-// past K), row stride xs elements, and a multiple of 16 rows when M > 16 (the caller pads); p packed by
-// pack. Threads split the groups' halves (two tiles each: 576 outputs are 9 groups, which two threads
-// would share 5 : 4, ~11 % slower than an even split); a thread holding both halves of a group runs its
-// four tiles together. Each weight is read from memory once and, for M > 16, again from the cache for
-// each further block of 16 rows. Each output row's sums run in the same order whatever the other rows.
-inline void linear(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* p, int64_t N, int64_t K,
-                   const float* bias, uint16_t* y) {
+// y rows [m0, m0 + rows) for outputs [n0, n0 + 16) of tile (g, j) = acc + bias, rounded to bfloat16; Out =
+// float: that bfloat16 value widened to float32 (what the bfloat16 output's .float() holds, without the
+// bfloat16 tensor and the second pass over it).
+template <typename Out>
+inline void store_rows(const float (*acc)[kTileN], int64_t m0, int64_t rows, int64_t g, int64_t j, int64_t N,
+                       const float* bias, Out* y) {
+  const int64_t n0 = (g * kGroup + j) * kTileN;
+  if (n0 >= N) return;
+  const int64_t width = std::min<int64_t>(kTileN, N - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    // Round to nearest even (vcvtneps2bf16), as the other kernels round their float32 sums.
+    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[m]), bv));
+    if constexpr (std::is_same_v<Out, float>)
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, _mm512_cvtpbh_ps(out));
+    else
+      _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, mask, (__m256i)out);
+  }
+}
+
+// y [M, N] (Out = uint16_t: bfloat16 bits; float: those values widened, store_rows; row stride N) = x @
+// w^T + bias. x: M rows of at least KB * 32 elements (zeros
+// past K), row stride xs elements; past 16 rows, the rows of a last, partial block of 16 are read from
+// tail instead (16 rows of the same width, row stride ts, zeros past M: the caller copies them there); p
+// packed by pack. Threads split the groups' halves (two tiles each: 576 outputs are 9 groups, which two
+// threads would share 5 : 4, ~11 % slower than an even split); a thread holding both halves of a group runs
+// its four tiles together. Each weight is read from memory once and, for M > 16, again from the cache for
+// each further block of 16 rows (on the Xeon of docs/kernels.md each such block costs ~25 % of the
+// one-block product, however few its rows; loading each weight tile once for two blocks was no faster).
+// Each output row's sums run in the same order (TDPBF16PS over kb = 0 .. KB) whatever the other rows.
+template <typename Out>
+inline void linear(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* tail, int64_t ts,
+                   const uint16_t* p, int64_t N, int64_t K, const float* bias, Out* y) {
   const int64_t KB = (K + kTileK - 1) / kTileK, G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
   const int rows = static_cast<int>(std::min<int64_t>(M, 16));
-  const int64_t blocks = (M + 15) / 16;
+  const int64_t blocks = (M + 15) / 16, full = M / 16;
+  auto block = [&](int64_t b) { return M > 16 && b >= full ? tail : x + b * 16 * xs; };
+  auto stride = [&](int64_t b) { return M > 16 && b >= full ? ts : xs; };
   at::parallel_for(0, 2 * G, 1, [&](int64_t u0, int64_t u1) {
     configure(rows);
     alignas(64) float c[kGroup][16][kTileN];
@@ -109,33 +138,21 @@ inline void linear(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* p, 
       const int64_t j0 = 2 * (std::max(u0, 2 * g) - 2 * g), j1 = 2 * (std::min(u1, 2 * g + 2) - 2 * g);
       const uint16_t* pg = p + g * KB * kGroup * kTileElems;
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint16_t* xb = x + b * 16 * xs;
+        const int64_t valid_rows = std::min<int64_t>(16, M - b * 16);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        if (j1 - j0 == 4) group_product<0, 4>(xb, xs, pg, KB);
-        else if (j0 == 0) group_product<0, 2>(xb, xs, pg, KB);
-        else group_product<2, 2>(xb, xs, pg, KB);
+        if (j1 - j0 == 4) group_product<0, 4>(block(b), stride(b), pg, KB);
+        else if (j0 == 0) group_product<0, 2>(block(b), stride(b), pg, KB);
+        else group_product<2, 2>(block(b), stride(b), pg, KB);
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
         if (j1 - j0 == 4) {
           _tile_stored(2, c[2], 64);
           _tile_stored(3, c[3], 64);
         }
-        const int64_t valid_rows = std::min<int64_t>(16, M - b * 16);
-        for (int64_t j = j0; j < j1; ++j) {
-          const int64_t n0 = (g * kGroup + j) * kTileN;
-          if (n0 >= N) break;
-          const int64_t width = std::min<int64_t>(kTileN, N - n0);
-          const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
-          const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-          for (int64_t m = 0; m < valid_rows; ++m) {
-            // Round to nearest even (vcvtneps2bf16), as the other kernels round their float32 sums.
-            const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c[j - j0][m]), bv));
-            _mm256_mask_storeu_epi16(y + (b * 16 + m) * N + n0, mask, (__m256i)out);
-          }
-        }
+        for (int64_t j = j0; j < j1; ++j) store_rows(c[j - j0], b * 16, valid_rows, g, j, N, bias, y);
       }
     }
     _tile_release();

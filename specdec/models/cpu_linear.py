@@ -44,27 +44,44 @@ class GemvLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         self._use_packed: dict[int, bool] = {}  # rows -> cpu_gemv.packed_rows(rows, N, K)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
+    def _direct_rows(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is the common call the operators take directly (2-D rows of the weight's dtype on
+        the CPU, no autograd)."""
+        return (
             self.direct
             and x.dim() == 2
             and x.dtype == self.weight.dtype
             and x.dtype in (torch.float32, torch.bfloat16)
             and x.device.type == "cpu"
             and not torch.is_grad_enabled()
-        ):
+        )
+
+    def _packed_for(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a product of ``rows`` rows takes the packed weight (decided once per row count)."""
+        if self.packed is None or torch.compiler.is_compiling():
+            return False
+        use_packed = self._use_packed.get(rows)
+        if use_packed is None:
+            use_packed = self._use_packed[rows] = rows > cpu_gemv.max_rows(dtype) or cpu_gemv.packed_rows(
+                rows, self.out_features, self.in_features
+            )
+        return use_packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._direct_rows(x):
             rows = x.shape[0]
-            if self.packed is not None and not torch.compiler.is_compiling():
-                use_packed = self._use_packed.get(rows)
-                if use_packed is None:
-                    use_packed = self._use_packed[rows] = rows > cpu_gemv.max_rows(
-                        x.dtype
-                    ) or cpu_gemv.packed_rows(rows, self.out_features, self.in_features)
-                if use_packed:
-                    return torch.ops.specdec_cpu.linear_packed(x, self.weight, self.packed, self.bias)
+            if self._packed_for(rows, x.dtype):
+                return torch.ops.specdec_cpu.linear_packed(x, self.weight, self.packed, self.bias)
             if rows <= cpu_gemv.max_rows(x.dtype):
                 return torch.ops.specdec_cpu.gemv(x, self.weight, self.bias)
         return cpu_gemv.gemv(x, self.weight, self.bias, self.use_kernel)
+
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()`` bit for bit, ``[..., out_features]`` float32 (an LM head's logits): a product
+        on the packed weight writes float32 itself (:func:`kernels.cpu_gemv.linear_packed_logits`)."""
+        if self._direct_rows(x) and self._packed_for(x.shape[0], x.dtype):
+            return torch.ops.specdec_cpu.linear_packed_logits(x, self.weight, self.packed, self.bias)
+        return self(x).float()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=cpu_gemv"

@@ -429,7 +429,9 @@ class DecoderLM(nn.Module):
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """LM head on final-norm hidden states ``[R, hidden_size]`` -> float32 ``[R, vocab_size]``,
         soft-capped by ``cfg.final_logit_softcapping`` when set (Gemma 2)."""
-        out = self.lm_head(rows).float()
+        head = self.lm_head
+        # A GemvLinear head writes float32 logits itself on its packed weight (the same values).
+        out = head.forward_float32(rows) if hasattr(head, "forward_float32") else head(rows).float()
         cap = self.cfg.final_logit_softcapping
         return out if cap is None else softcap(out, cap)
 

@@ -220,10 +220,10 @@ def test_packed_rule_and_packed_linear_layers(packing):
 def test_tile_kernels_equal_reference(packing, n, k, with_bias):
     """The AMX kernel (``csrc/cpu_gemv_amx.h``) and the AVX-512 BF16 one on the pair-major tile order
     (``csrc/cpu_gemv_bf16tiles.h``): the C++ packing equals the torch reference of the tile layout element
-    for element (zero padding past N and K included), and its products equal F.linear's
-    float32 result within one bfloat16 rounding for 1-40 rows (one tile of rows, several, a ragged last
-    one), N and K off the tile sizes, with and without bias; at least 99 % of outputs are exactly the
-    float32 result rounded once (the rest straddle a rounding boundary: the sums' order differs)."""
+    for element (zero padding past N and K included), and its products equal F.linear's float32 result
+    within one bfloat16 rounding for 1-64 rows (one tile of rows, several, a ragged last one read from its
+    padded copy), N and K off the tile sizes, with and without bias; at least 99 % of outputs are exactly
+    the float32 result rounded once (the rest straddle a rounding boundary: the sums' order differs)."""
     from kernels.cpu_ext import require_extension
 
     if packing == "onednn":
@@ -237,7 +237,7 @@ def test_tile_kernels_equal_reference(packing, n, k, with_bias):
     tile = (16, 4) if pair_major else (4, 16)
     assert packed.shape == (-(-n // 64), -(-k // 32), *tile, 32) and torch.equal(packed, ref_packed)
     assert torch.equal(require_extension().pack_tiles(w), packed)
-    for m in (1, 2, 3, 5, 16, 17, 40):
+    for m in (1, 2, 3, 5, 16, 17, 32, 40, 48, 53, 64):
         x = torch.randn(m, k, generator=g).bfloat16()
         got = cpu_gemv.linear_packed(x, w, packed, b)
         want = F.linear(x.float(), w.float(), None if b is None else b.float())
@@ -251,20 +251,50 @@ def test_tile_kernels_equal_reference(packing, n, k, with_bias):
         require_extension().pack_tiles(w.float())
 
 
+def test_packed_logits_equal_the_widened_bfloat16_product(packing):
+    """``linear_packed_logits`` (an LM head's float32 logits; on AMX the kernel widens as it stores) equals
+    ``linear_packed(...).float()`` bit for bit: 1-53 rows (one block of 16, several, a ragged last one), N
+    off the tile size, with and without bias, for every packing (tile orders and oneDNN's); and a packed
+    ``GemvLinear``'s ``forward_float32`` equals its ``forward`` widened, as the LM head's logits use it."""
+    from specdec.models.cpu_linear import GemvLinear, use_packed_weights
+
+    if packing == "onednn" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bfloat16 path on this CPU")
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(1000, 576, generator=g) * 0.05).bfloat16()
+    b = torch.randn(1000, generator=g).bfloat16()
+    packed = cpu_gemv.pack_weight(w)
+    for m in (0, 1, 5, 16, 17, 40, 53):
+        x = torch.randn(m, 576, generator=g).bfloat16()
+        for bias in (None, b):
+            got = cpu_gemv.linear_packed_logits(x, w, packed, bias)
+            assert got.dtype == torch.float32 and got.shape == (m, 1000)
+            assert torch.equal(got, cpu_gemv.linear_packed(x, w, packed, bias).float())
+    lin = torch.nn.Linear(576, 1000, bias=False).bfloat16()
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    head = GemvLinear(lin)
+    assert use_packed_weights(torch.nn.Sequential(head)) == 1
+    for m in (1, 5, 40):
+        x = torch.randn(m, 576, generator=g).bfloat16()
+        with torch.inference_mode():
+            assert torch.equal(head.forward_float32(x), head(x).float())
+
+
 def test_tile_kernel_rows_are_batch_invariant(packing):
     """Each output row of the tile kernels (AMX, AVX-512 BF16) is summed in an order that does not depend on
-    the other rows: a row multiplied among 1-40 rows equals the same row multiplied alone, bit for bit (so a
-    verification row gets a decode row's logits, and greedy speculative decoding equals greedy plain
-    decoding in bfloat16)."""
+    the other rows: a row multiplied among 1-70 rows (one block of 16, several, a ragged last one) equals
+    the same row multiplied alone, bit for bit (so a verification row gets a decode row's logits, and
+    greedy speculative decoding equals greedy plain decoding in bfloat16)."""
     if packing == "onednn":
         pytest.skip("the tile kernels only")
     g = torch.Generator().manual_seed(11)
     w = (torch.randn(300, 576, generator=g) * 0.05).bfloat16()
     b = torch.randn(300, generator=g).bfloat16()
     packed = cpu_gemv.pack_weight(w)
-    x = torch.randn(40, 576, generator=g).bfloat16()
-    alone = torch.cat([cpu_gemv.linear_packed(x[i : i + 1], w, packed, b) for i in range(40)])
-    for m in (2, 5, 16, 17, 40):
+    x = torch.randn(70, 576, generator=g).bfloat16()
+    alone = torch.cat([cpu_gemv.linear_packed(x[i : i + 1], w, packed, b) for i in range(70)])
+    for m in (2, 5, 16, 17, 32, 40, 48, 53, 70):
         assert torch.equal(cpu_gemv.linear_packed(x[:m], w, packed, b), alone[:m])
 
 
