@@ -963,8 +963,10 @@ def test_sampling_under_a_varying_depth_matches_the_target(setup):
 @pytest.mark.parametrize(
     "policy, kwargs",
     [
-        ("goodput", {"frozen": True}),
-        ("ucb", {"frozen": True}),
+        # Frozen on given step costs, not on a start-up profile: timed costs would make the depth (and so
+        # the "depth varied" check) depend on the machine's load (it once stayed at one depth in CI).
+        ("goodput", {"step_s": [[1, 0.01], [32, 0.02]], "frozen": True}),
+        ("ucb", {"step_s": [[1, 0.01], [32, 0.02]], "frozen": True}),
         # Learning from measured times (so not repeatable), probing after every undrafted token so that
         # it drafts in many steps: exact all the same, the depth being chosen before the drafts exist.
         # Requests of two tokens would never repay the draft model's catch-up on their prompt: no charge.
