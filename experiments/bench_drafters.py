@@ -17,7 +17,11 @@ Methods (greedy, SmolLM2-135M-Instruct by default, one request at a time):
 Per method: tokens/s, speedup over our plain decoding and over transformers, τ (tokens emitted per
 target forward), acceptance per position (the fraction of draft steps whose draft at depth i was
 accepted), and, with ``prompts=specbench``, τ per Spec-Bench category. Every speculative method's
-output is checked against plain greedy decoding (exactness; a mismatch is reported, not hidden).
+output is checked against plain greedy decoding (exactness; a mismatch is reported, not hidden). Each
+row is also paired prompt by prompt with the ``compare_to`` row (``plain``; ``compare_to=ngram`` asks
+whether a drafter beats prompt lookup): per category the geometric mean of the per-prompt speed ratios
+and its 95 % interval (:func:`paired_speedups`), so that a category's difference can be told from the
+run's noise.
 
 Generation stops at the target's EOS (or ``max_tokens``), as in Spec-Bench and the EAGLE papers:
 past EOS a model writes text no drafter was trained on, so ``ignore_eos=true`` (every request makes
@@ -25,6 +29,8 @@ past EOS a model writes text no drafter was trained on, so ``ignore_eos=true`` (
 
     python -m experiments.bench_drafters prompts=heldout limit=24 max_tokens=96
     python -m experiments.bench_drafters prompts=specbench per_category=3 max_tokens=96
+    python -m experiments.bench_drafters prompts=specbench per_category=8 'methods=[plain,ngram,suffix]' \
+        compare_to=ngram
     python -m experiments.bench_drafters prompts=fresh limit=16 'methods=[plain,eagle,eagle3]'
     python -m experiments.bench_drafters 'methods=[plain,ngram,eagle]' out=drafters.json plot=drafters.png
     python -m experiments.bench_drafters 'methods=[plain,eagle3,mine]' \
@@ -159,6 +165,10 @@ class BenchDraftersConfig(HarnessConfig):
         (``interleaved`` in the result says which).
     share_target: interleaved rows run over one target in memory (``LLM.with_speculation``): the same
         weights on the same pages for every row; False: each row's engine loads its own.
+    compare_to: the row every other row is paired against, prompt by prompt
+        (``paired_speedup_per_category``, :func:`paired_speedups`); ``plain`` by default, e.g. ``ngram``
+        to ask whether a drafter is faster than prompt lookup per category. Ignored when not among
+        ``methods``.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -174,6 +184,7 @@ class BenchDraftersConfig(HarnessConfig):
     plot: str | None = None
     interleave: bool = True
     share_target: bool = True
+    compare_to: str = "plain"
 
     def validate(self) -> None:
         super().validate()
@@ -263,6 +274,9 @@ def with_categories(row: dict[str, Any], timed: Timed, cats: list[str]) -> dict[
         spent[cat][0] += len(out)
         spent[cat][1] += secs
     row["tokens_per_s_per_category"] = {c: n / t for c, (n, t) in spent.items() if t > 0}
+    if len(timed.seconds) == len(timed.outputs):
+        row["tokens_per_prompt"] = [len(o) for o in timed.outputs]
+        row["seconds_per_prompt"] = list(timed.seconds)
     if "tau" in row:
         per_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> [accepted, draft steps]
         for m, cat in zip(timed.metrics, cats):
@@ -271,6 +285,42 @@ def with_categories(row: dict[str, Any], timed: Timed, cats: list[str]) -> dict[
                 per_cat[cat][1] += m["num_drafts"]
         row["tau_per_category"] = {c: 1 + a / n for c, (a, n) in per_cat.items() if n}
     return row
+
+
+def paired_speedups(
+    ref: dict[str, Any], row: dict[str, Any], cats: list[str], confidence: float = 0.95
+) -> dict[str, list[float]]:
+    """``row``'s speed against ``ref``'s, paired prompt by prompt: per category (and ``"all"``) the
+    geometric mean over its prompts of (tokens / seconds of ``row``) / (tokens / seconds of ``ref``), and
+    its ``confidence`` interval (Student's t on the log ratios; a category of one prompt gets the ratio as
+    both bounds). Pairing removes what the prompts themselves vary by (length, how much they repeat), so
+    the interval is the run's noise alone: an interval above 1 says ``row`` is faster on that category, one
+    that holds 1 says one run cannot tell them apart. ``ref`` / ``row``: result rows with
+    ``tokens_per_prompt`` and ``seconds_per_prompt`` (:func:`with_categories`); ``cats[i]``: prompt i's
+    category. Returns {category: [ratio, low, high]}."""
+    import math
+
+    from scipy import stats
+
+    logs: dict[str, list[float]] = defaultdict(list)
+    for n_a, s_a, n_b, s_b, cat in zip(
+        ref["tokens_per_prompt"], ref["seconds_per_prompt"], row["tokens_per_prompt"],
+        row["seconds_per_prompt"], cats,
+    ):  # fmt: skip
+        if n_a and n_b and s_a > 0 and s_b > 0:
+            r = math.log((n_b / s_b) / (n_a / s_a))
+            logs[cat].append(r)
+            logs["all"].append(r)
+    out: dict[str, list[float]] = {}
+    for cat, xs in logs.items():
+        mean = sum(xs) / len(xs)
+        if len(xs) < 2:
+            out[cat] = [math.exp(mean)] * 3
+            continue
+        sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+        half = stats.t.ppf(0.5 + confidence / 2, len(xs) - 1) * sd / math.sqrt(len(xs))
+        out[cat] = [math.exp(mean), math.exp(mean - half), math.exp(mean + half)]
+    return out
 
 
 def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
@@ -335,6 +385,12 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
                 for c, tps in row["tokens_per_s_per_category"].items()
                 if c in plain_cats
             }
+    ref = rows.get(cfg.compare_to)
+    if ref is not None and "seconds_per_prompt" in ref:
+        result["compare_to"] = cfg.compare_to
+        for name, row in rows.items():
+            if name != cfg.compare_to and "seconds_per_prompt" in row:
+                row["paired_speedup_per_category"] = paired_speedups(ref, row, cats)
     result["methods"] = rows
     if cfg.plot:
         plot(result, cfg.plot)
@@ -412,6 +468,25 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append("|---|" + "---|" * len(names))
         for c in cats:
             cells = [f"{rows[n]['speedup_per_category'].get(c, float('nan')):.2f}×" for n in names]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    names = [n for n in rows if rows[n].get("paired_speedup_per_category")]
+    if names:
+        cats = sorted(
+            {c for n in names for c in rows[n]["paired_speedup_per_category"]}, key=lambda c: (c == "all", c)
+        )
+        lines += [
+            "",
+            f"paired speedup over {result.get('compare_to')} per category (geometric mean over prompts, 95 % "
+            "interval):",
+            "",
+            "| category | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for c in cats:
+            cells = []
+            for n in names:
+                v = rows[n]["paired_speedup_per_category"].get(c)
+                cells.append("" if v is None else f"{v[0]:.2f}× ({v[1]:.2f}-{v[2]:.2f})")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     for name, r in rows.items():
         if r.get("oracle_tau") is not None:

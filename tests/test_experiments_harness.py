@@ -432,6 +432,34 @@ def test_bench_drafters_speed_per_category(monkeypatch):
     )
     table = bench_drafters.format_table(result)
     assert "| code | 2.00× |" in table and "| chat | 1.00× |" in table
+    # Paired prompt by prompt against compare_to (plain): ratios 2, 2 (code) and 1 (chat), no spread.
+    paired = result["methods"]["ngram"]["paired_speedup_per_category"]
+    assert paired["code"] == pytest.approx([2.0, 2.0, 2.0]) and paired["chat"] == pytest.approx([1.0] * 3)
+    assert paired["all"][0] == pytest.approx(2 ** (2 / 3))
+    assert "paired speedup over plain" in table and "| code | 2.00× (2.00-2.00) |" in table
+
+
+def test_paired_speedups_match_a_t_interval_on_log_ratios():
+    """bench_drafters.paired_speedups: per category the geometric mean of per-prompt speed ratios and
+    its 95 % interval equal scipy's one-sample t interval on the log ratios, exponentiated (8 made-up
+    prompts of one category, output lengths differing between the rows: tokens per second, not seconds,
+    are paired); a category of one prompt gets its ratio as both bounds."""
+    import math
+
+    from scipy import stats
+
+    ratios = [1.10, 1.02, 0.97, 1.21, 1.05, 1.13, 0.99, 1.08]
+    ref = {"tokens_per_prompt": [50] * 9, "seconds_per_prompt": [1.0] * 9}
+    row = {
+        "tokens_per_prompt": [40] * 8 + [50],
+        "seconds_per_prompt": [40 / (50 * r) for r in ratios] + [0.5],
+    }
+    got = bench_drafters.paired_speedups(ref, row, ["qa"] * 8 + ["rag"])
+    logs = [math.log(r) for r in ratios]
+    lo, hi = stats.ttest_1samp(logs, 0.0).confidence_interval(0.95)
+    assert got["qa"] == pytest.approx([math.exp(sum(logs) / 8), math.exp(lo), math.exp(hi)])
+    assert got["rag"] == pytest.approx([2.0, 2.0, 2.0])
+    assert got["all"][1] < got["all"][0] < got["all"][2]
 
 
 def test_engines_unequal_on_huge_pages_are_flagged():
