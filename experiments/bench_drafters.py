@@ -167,8 +167,8 @@ class BenchDraftersConfig(HarnessConfig):
         weights on the same pages for every row; False: each row's engine loads its own.
     compare_to: the row every other row is paired against, prompt by prompt
         (``paired_speedup_per_category``, :func:`paired_speedups`); ``plain`` by default, e.g. ``ngram``
-        to ask whether a drafter is faster than prompt lookup per category. Ignored when not among
-        ``methods``.
+        to ask whether a drafter is faster than prompt lookup per category. A name that is no method is
+        a ConfigError; a method not among ``methods`` pairs nothing (logged).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -194,6 +194,10 @@ class BenchDraftersConfig(HarnessConfig):
         names = method_names()
         require_extra_methods(self.extra_methods, names)
         require_subset("methods", self.methods, [*names, *self.extra_methods])
+        if self.compare_to not in [*names, *self.extra_methods]:
+            raise ConfigError(
+                f"compare_to must be a methods name ({', '.join(self.methods)}), got {self.compare_to!r}"
+            )
 
 
 def method_spec(
@@ -291,22 +295,39 @@ def paired_speedups(
     ref: dict[str, Any], row: dict[str, Any], cats: list[str], confidence: float = 0.95
 ) -> dict[str, list[float]]:
     """``row``'s speed against ``ref``'s, paired prompt by prompt: per category (and ``"all"``) the
-    geometric mean over its prompts of (tokens / seconds of ``row``) / (tokens / seconds of ``ref``), and
-    its ``confidence`` interval (Student's t on the log ratios; a category of one prompt gets the ratio as
-    both bounds). Pairing removes what the prompts themselves vary by (length, how much they repeat), so
-    the interval is the run's noise alone: an interval above 1 says ``row`` is faster on that category, one
-    that holds 1 says one run cannot tell them apart. ``ref`` / ``row``: result rows with
-    ``tokens_per_prompt`` and ``seconds_per_prompt`` (:func:`with_categories`); ``cats[i]``: prompt i's
-    category. Returns {category: [ratio, low, high]}."""
+    geometric mean over its prompts of (tokens / seconds of ``row``) / (tokens / seconds of ``ref``), its
+    ``confidence`` interval (Student's t on the log ratios) and the prompts it pairs. Pairing removes what
+    the prompts themselves vary by (length, how much they repeat); with the rows interleaved (each prompt
+    run by every row in turn, ``interleave=true``) it also removes the host's drift, so the interval is
+    the run's noise: an interval above 1 says ``row`` is faster on that category, one that holds 1 says
+    one run cannot tell them apart. Rows run one after another (``interleave=false``) leave slow drift
+    between them outside the interval.
+
+    Args:
+        ref, row: result rows with ``tokens_per_prompt`` and ``seconds_per_prompt`` (one entry per
+            prompt, :func:`with_categories`).
+        cats: ``[P]`` prompt i's category.
+        confidence: the interval's coverage, in (0, 1).
+
+    Returns:
+        {category: [ratio, low, high, prompts]}; a category of one prompt has no interval (low and high
+        NaN); a prompt with no tokens or no seconds in either row is left out of its category's count.
+
+    Raises:
+        ValueError: the rows' per-prompt lists and ``cats`` differ in length.
+    """
     import math
 
     from scipy import stats
 
+    lists = [ref["tokens_per_prompt"], ref["seconds_per_prompt"], row["tokens_per_prompt"]]
+    lists += [row["seconds_per_prompt"], cats]
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError(
+            f"paired_speedups: per-prompt lists of lengths {[len(x) for x in lists]} (one per prompt)"
+        )
     logs: dict[str, list[float]] = defaultdict(list)
-    for n_a, s_a, n_b, s_b, cat in zip(
-        ref["tokens_per_prompt"], ref["seconds_per_prompt"], row["tokens_per_prompt"],
-        row["seconds_per_prompt"], cats,
-    ):  # fmt: skip
+    for n_a, s_a, n_b, s_b, cat in zip(*lists):
         if n_a and n_b and s_a > 0 and s_b > 0:
             r = math.log((n_b / s_b) / (n_a / s_a))
             logs[cat].append(r)
@@ -315,11 +336,11 @@ def paired_speedups(
     for cat, xs in logs.items():
         mean = sum(xs) / len(xs)
         if len(xs) < 2:
-            out[cat] = [math.exp(mean)] * 3
+            out[cat] = [math.exp(mean), math.nan, math.nan, 1]
             continue
         sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
         half = stats.t.ppf(0.5 + confidence / 2, len(xs) - 1) * sd / math.sqrt(len(xs))
-        out[cat] = [math.exp(mean), math.exp(mean - half), math.exp(mean + half)]
+        out[cat] = [math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(xs)]
     return out
 
 
@@ -372,7 +393,8 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
         elif base_outs is not None:
             row["matches_plain_greedy"] = sum(a == b for a, b in zip(outs, base_outs)) / len(outs)
         rows[name] = row
-        print(name, json.dumps({k: v for k, v in row.items() if k != "tau_per_category"}), flush=True)
+        skip = ("tau_per_category", "tokens_per_prompt", "seconds_per_prompt")
+        print(name, json.dumps({k: v for k, v in row.items() if k not in skip}), flush=True)
     plain = rows.get("plain", {}).get("tokens_per_s")
     hf = result["transformers_plain"]["tokens_per_s"]
     plain_cats = rows.get("plain", {}).get("tokens_per_s_per_category", {})
@@ -386,7 +408,9 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
                 if c in plain_cats
             }
     ref = rows.get(cfg.compare_to)
-    if ref is not None and "seconds_per_prompt" in ref:
+    if ref is None:
+        logger.info("compare_to=%s is not among the methods run: no paired speedups", cfg.compare_to)
+    elif "seconds_per_prompt" in ref:
         result["compare_to"] = cfg.compare_to
         for name, row in rows.items():
             if name != cfg.compare_to and "seconds_per_prompt" in row:
@@ -470,6 +494,7 @@ def format_table(result: dict[str, Any]) -> str:
             cells = [f"{rows[n]['speedup_per_category'].get(c, float('nan')):.2f}×" for n in names]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     names = [n for n in rows if rows[n].get("paired_speedup_per_category")]
+    order = "interleaved" if result.get("interleaved") else "run one after another"
     if names:
         cats = sorted(
             {c for n in names for c in rows[n]["paired_speedup_per_category"]}, key=lambda c: (c == "all", c)
@@ -477,7 +502,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines += [
             "",
             f"paired speedup over {result.get('compare_to')} per category (geometric mean over prompts, 95 % "
-            "interval):",
+            f"interval, prompts; rows {order}):",
             "",
             "| category | " + " | ".join(names) + " |",
             "|---|" + "---|" * len(names),
@@ -486,7 +511,12 @@ def format_table(result: dict[str, Any]) -> str:
             cells = []
             for n in names:
                 v = rows[n]["paired_speedup_per_category"].get(c)
-                cells.append("" if v is None else f"{v[0]:.2f}× ({v[1]:.2f}-{v[2]:.2f})")
+                if v is None:
+                    cells.append("")
+                elif v[3] < 2:
+                    cells.append(f"{v[0]:.2f}× (n = 1)")
+                else:
+                    cells.append(f"{v[0]:.2f}× ({v[1]:.2f}-{v[2]:.2f}, n = {v[3]})")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     for name, r in rows.items():
         if r.get("oracle_tau") is not None:

@@ -434,16 +434,21 @@ def test_bench_drafters_speed_per_category(monkeypatch):
     assert "| code | 2.00× |" in table and "| chat | 1.00× |" in table
     # Paired prompt by prompt against compare_to (plain): ratios 2, 2 (code) and 1 (chat), no spread.
     paired = result["methods"]["ngram"]["paired_speedup_per_category"]
-    assert paired["code"] == pytest.approx([2.0, 2.0, 2.0]) and paired["chat"] == pytest.approx([1.0] * 3)
-    assert paired["all"][0] == pytest.approx(2 ** (2 / 3))
-    assert "paired speedup over plain" in table and "| code | 2.00× (2.00-2.00) |" in table
+    assert paired["code"] == pytest.approx([2.0, 2.0, 2.0, 2])
+    assert paired["chat"][0] == pytest.approx(1.0) and paired["chat"][1] != paired["chat"][1]  # NaN: n = 1
+    assert paired["chat"][3] == 1
+    assert paired["all"][0] == pytest.approx(2 ** (2 / 3)) and paired["all"][3] == 3
+    assert "paired speedup over plain" in table and "| code | 2.00× (2.00-2.00, n = 2) |" in table
+    assert "| chat | 1.00× (n = 1) |" in table
+    with pytest.raises(ConfigError, match="compare_to"):
+        bench_drafters.main.config(["methods=[plain,ngram]", "compare_to=ngarm"])
 
 
 def test_paired_speedups_match_a_t_interval_on_log_ratios():
     """bench_drafters.paired_speedups: per category the geometric mean of per-prompt speed ratios and
     its 95 % interval equal scipy's one-sample t interval on the log ratios, exponentiated (8 made-up
     prompts of one category, output lengths differing between the rows: tokens per second, not seconds,
-    are paired); a category of one prompt gets its ratio as both bounds."""
+    are paired); a category of one prompt has no interval; lists of different lengths are an error."""
     import math
 
     from scipy import stats
@@ -457,9 +462,11 @@ def test_paired_speedups_match_a_t_interval_on_log_ratios():
     got = bench_drafters.paired_speedups(ref, row, ["qa"] * 8 + ["rag"])
     logs = [math.log(r) for r in ratios]
     lo, hi = stats.ttest_1samp(logs, 0.0).confidence_interval(0.95)
-    assert got["qa"] == pytest.approx([math.exp(sum(logs) / 8), math.exp(lo), math.exp(hi)])
-    assert got["rag"] == pytest.approx([2.0, 2.0, 2.0])
-    assert got["all"][1] < got["all"][0] < got["all"][2]
+    assert got["qa"] == pytest.approx([math.exp(sum(logs) / 8), math.exp(lo), math.exp(hi), 8])
+    assert got["rag"][0] == pytest.approx(2.0) and math.isnan(got["rag"][1]) and got["rag"][3] == 1
+    assert got["all"][1] < got["all"][0] < got["all"][2] and got["all"][3] == 9
+    with pytest.raises(ValueError, match="lengths"):  # a prompt missing from one row: not paired silently
+        bench_drafters.paired_speedups(ref, {k: v[:8] for k, v in row.items()}, ["qa"] * 8 + ["rag"])
 
 
 def test_engines_unequal_on_huge_pages_are_flagged():

@@ -20,8 +20,8 @@ torch::Tensor linear_packed_op(const torch::Tensor& x, const torch::Tensor& w, c
 
 // linear_packed's output widened to float32 (an LM head's logits), specdec_cpu::linear_packed_logits;
 // schema "linear_packed_logits(Tensor x, Tensor weight, Tensor packed, Tensor? bias) -> Tensor".
-torch::Tensor linear_packed_logits_op(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
-                                      const std::optional<torch::Tensor>& bias) {
+torch::Tensor linear_packed_logits_op(const torch::Tensor& x, const torch::Tensor& w,
+                                      const torch::Tensor& packed, const std::optional<torch::Tensor>& bias) {
   return linear_packed_logits(x, w, packed, bias.has_value() ? *bias : torch::Tensor());
 }
 

@@ -16,8 +16,8 @@ bool set_tiles(bool enabled);
 torch::Tensor pack_tiles(const torch::Tensor& w);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                             const torch::Tensor& bias);
-torch::Tensor linear_packed_logits(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
-                                   const torch::Tensor& bias);
+torch::Tensor linear_packed_logits(const torch::Tensor& x, const torch::Tensor& w,
+                                   const torch::Tensor& packed, const torch::Tensor& bias);
 // cpu_gemv_int8.cpp
 torch::Tensor gemv_int8(torch::Tensor x, const torch::Tensor& codes, const torch::Tensor& scales,
                         const torch::Tensor& bias, const torch::Tensor& packed = torch::Tensor());
