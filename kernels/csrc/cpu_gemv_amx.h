@@ -114,10 +114,9 @@ inline void store_rows(const float (*acc)[kTileN], int64_t m0, int64_t rows, int
 }
 
 // y [M, N] (Out = uint16_t: bfloat16 bits; float: those values widened, store_rows; row stride N) = x @
-// w^T + bias. x: M rows of at least KB * 32 elements (zeros
-// past K), row stride xs elements; past 16 rows, the rows of a last, partial block of 16 are read from
-// tail instead (16 rows of the same width, row stride ts, zeros past M: the caller copies them there); p
-// packed by pack. Threads split the groups' halves (two tiles each: 576 outputs are 9 groups, which two
+// w^T + bias. x: M rows of at least KB * 32 elements (zeros past K), row stride xs elements; past 16 rows,
+// the rows of a last, partial block of 16 are read from tail instead (16 rows of the same width, row
+// stride ts, zeros past M: the caller copies them there); p packed by pack. Threads split the groups' halves (two tiles each: 576 outputs are 9 groups, which two
 // threads would share 5 : 4, ~11 % slower than an even split); a thread holding both halves of a group runs
 // its four tiles together. Each weight is read from memory once and, for M > 16, again from the cache for
 // each further block of 16 rows (on the Xeon of docs/kernels.md each such block costs ~25 % of the
@@ -129,8 +128,7 @@ inline void linear(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* tai
   const int64_t KB = (K + kTileK - 1) / kTileK, G = (N + kGroup * kTileN - 1) / (kGroup * kTileN);
   const int rows = static_cast<int>(std::min<int64_t>(M, 16));
   const int64_t blocks = (M + 15) / 16, full = M / 16;
-  auto block = [&](int64_t b) { return M > 16 && b >= full ? tail : x + b * 16 * xs; };
-  auto stride = [&](int64_t b) { return M > 16 && b >= full ? ts : xs; };
+  auto in_tail = [&](int64_t b) { return M > 16 && b >= full; };
   at::parallel_for(0, 2 * G, 1, [&](int64_t u0, int64_t u1) {
     configure(rows);
     alignas(64) float c[kGroup][16][kTileN];
@@ -139,13 +137,15 @@ inline void linear(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* tai
       const uint16_t* pg = p + g * KB * kGroup * kTileElems;
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t valid_rows = std::min<int64_t>(16, M - b * 16);
+        const uint16_t* xb = in_tail(b) ? tail : x + b * 16 * xs;
+        const int64_t s = in_tail(b) ? ts : xs;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        if (j1 - j0 == 4) group_product<0, 4>(block(b), stride(b), pg, KB);
-        else if (j0 == 0) group_product<0, 2>(block(b), stride(b), pg, KB);
-        else group_product<2, 2>(block(b), stride(b), pg, KB);
+        if (j1 - j0 == 4) group_product<0, 4>(xb, s, pg, KB);
+        else if (j0 == 0) group_product<0, 2>(xb, s, pg, KB);
+        else group_product<2, 2>(xb, s, pg, KB);
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
         if (j1 - j0 == 4) {
