@@ -283,6 +283,48 @@ def test_a_count_observed_long_ago_follows_steps_growing_dearer():
     assert 1.2 < model.target_s(48) / model.target_s(32) < 0.024 / 0.0186 + 1e-9
 
 
+def test_a_pause_does_not_reprice_every_count():
+    from specdec.policies.cost_model import FIRST_CLIP, STEP_CLIP, StepCostModel
+
+    # 16 requests decoding (16 tokens) and drafting (40), then one 16x pause at 16 tokens (the engine's
+    # 360 ms step among 21 ms ones at 16 HumanEval requests). Unbounded, it moved the drift index by
+    # 150 % at once, and the next normal 16-token step dragged every count down by as much.
+    model = StepCostModel({16: 0.020, 32: 0.025, 64: 0.030})
+    for _ in range(30):
+        model.observe(16, 0.022, 0, 0.0)
+        model.observe(40, 0.031, 2, 0.0)
+    counts = (16, 24, 40, 64)
+    before = {n: model.target_s(n) for n in counts}
+    model.observe(16, 16 * 0.022, 0, 0.0)
+    # the drift index moves by decay * (STEP_CLIP - 1) at most; the count's own correction a little more
+    bound = (1 + 0.1 * (STEP_CLIP - 1)) * (1 + 0.2 * 0.1 * (STEP_CLIP - 1))
+    for n in counts:
+        assert before[n] < model.target_s(n) <= before[n] * bound + 1e-12
+    model.observe(16, 0.022, 0, 0.0)  # a normal step again: nothing is dragged below where it was
+    for n in (24, 40, 64):
+        assert model.target_s(n) >= before[n] * 0.999
+    # A count's first step, a pause too: taken at FIRST_CLIP times its prediction at most (one of the
+    # profile's size is taken outright, as a cheap one).
+    predicted = model.target_s(48)
+    model.observe(48, 10 * predicted, 2, 0.0)
+    assert model.target_s(48) == pytest.approx(FIRST_CLIP * predicted)
+    cheap = model.target_s(56) / 2
+    model.observe(56, cheap, 2, 0.0)
+    assert model.target_s(56) == pytest.approx(cheap)
+
+
+def test_goodput_never_prices_a_step_with_drafts_below_the_step_without():
+    # A cost curve whose plain count runs dear (a correction gone high) and whose drafting counts run
+    # cheap: with nothing ever accepted, drafts must not look like a faster step.
+    costs = {"step_s": {16: 0.040, 17: 0.020, 80: 0.022}, "frozen": True, "explore_every": 0}
+    policy = build_policy("goodput", PolicyContext(4), {**costs, "prior_acceptance": 0.0})
+    assert policy.costs.target_s(24) < policy.costs.target_s(16)
+    assert policy.decide(_inputs([None] * 16)) == [0] * 16
+    # With acceptance, the drafted step is priced as the plain one and drafting pays.
+    hopeful = build_policy("goodput", PolicyContext(4), {**costs, "prior_acceptance": 0.5})
+    assert all(d > 0 for d in hopeful.decide(_inputs([None] * 16)))
+
+
 def test_prompt_chunks_do_not_make_untried_decode_counts_look_cheap():
     from specdec.policies.cost_model import StepCostModel
 

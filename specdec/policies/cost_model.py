@@ -29,7 +29,8 @@ shorter-context steps made them look cheap against the plain count observed at e
 chunks keep corrections of their own: the profile runs from position 0, so a prompt chunk costs about
 what was profiled, while a decode step also attends over its whole context; mixed into one correction,
 prompt chunks would make the untried decode counts look cheap again.
-Drafting costs
+Observed steps are bounded against the prediction (``STEP_CLIP``, ``FIRST_CLIP``): one pause must not
+reprice every count. Drafting costs
 ``draft_s_per_position`` seconds per draft position of the step (sequential draft steps: a draft model
 or head drafts all requests' position d together), a running mean of observed drafting time divided by
 the step's deepest draft, learned per bucket of drafting requests (1, 2, 3-4, 5-8, ...); when it was not
@@ -57,6 +58,18 @@ from specdec.errors import ConfigError
 #: A token count's own correction moves at this fraction of the drift index's rate (``decay``): a step
 #: dearer than its count's correction is taken mostly as drift, shared by every count.
 SHAPE_DECAY = 0.2
+#: A step of a count observed before is taken at most this factor dearer or cheaper than the count's
+#: prediction. A pause (garbage collection, a page fault, a busy neighbour: 1.7x and 15x steps at 16
+#: HumanEval requests on SmolLM2, 2-core AMX) otherwise moved the drift index by 7 % and 140 % at once,
+#: and the next normal step of an inflated count dragged every count down with it, so the goodput policy
+#: priced 24- to 64-token steps below the 16-token plain step and drafted at 0.80x plain. A lasting change
+#: is still learned: the drift index moves up to ``decay * (factor - 1)`` (5 %) a step.
+STEP_CLIP = 1.5
+#: Where a profile was given, a count's first step is taken outright up to this factor over its
+#: prediction (the profile is the forward alone; real steps add verification and attention over long
+#: contexts: 1.1-2x here), and at this factor beyond it (a pause). Cheaper than predicted is taken
+#: outright; without a profile (the prior slope's guess) every first step is.
+FIRST_CLIP = 3.0
 
 
 @dataclass
@@ -256,13 +269,17 @@ class StepCostModel:
             return  # a step of no tokens, or a count that is not an integer: nothing to learn
         num_tokens = int(num_tokens)  # numpy integers are stored as Python ints
         kind, d = int(prefill), self.decay
-        r = target_s / self.base_s(num_tokens)
+        base = self.base_s(num_tokens)
+        r = target_s / base
         ratio, old = self._ratio[kind], self._ratio[kind].get(num_tokens)
         if old is None:
+            if self._known_counts():  # a profile to bound a pause by (not the prior slope's guess)
+                r = min(r, FIRST_CLIP * self._predict(num_tokens, prefill) / base)
             mean = r
         else:
             drift = self._drift[kind]
             carried = old[0] * drift / old[1]  # the count's correction carried to the current drift
+            r = min(max(r, carried / STEP_CLIP), carried * STEP_CLIP)
             self._drift[kind] = drift * (1 + d * (r / carried - 1))
             ds = d * SHAPE_DECAY
             mean = (1 - ds) * carried * self._drift[kind] / drift + ds * r

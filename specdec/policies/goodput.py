@@ -337,12 +337,15 @@ class GoodputPolicy(PolicyBase):
         the target step and the drafting, the part beyond the plain step's (the same step without drafts)
         scaled by :attr:`cost_calibration`."""
         rows = len(depths) - depths.count(0)  # the drafting requests (depths are >= 0)
-        seconds = self.costs.target_s(tokens, prefill) + self.costs.draft_s(max(depths, default=0), rows)
-        drafted, scale = sum(depths), self.cost_calibration
-        if not drafted or scale == 1.0:  # off, or nothing settled yet: no plain step to price
-            return seconds
+        target = self.costs.target_s(tokens, prefill)
+        drafted = sum(depths)
+        if not drafted:
+            return target
+        # A step never costs less with drafts than without: a count whose correction ran low (or the
+        # plain count's high) must not make drafting look cheaper than free.
         plain = self.costs.target_s(tokens - drafted, prefill)
-        return plain + scale * (seconds - plain)
+        seconds = max(target, plain) + self.costs.draft_s(max(depths, default=0), rows)
+        return plain + self.cost_calibration * (seconds - plain)
 
     def charges(self, batch: list[PolicyInput]) -> list[float]:
         """Per request, the seconds charged per token it commits while drafting: reading its draft
