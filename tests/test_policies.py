@@ -303,26 +303,85 @@ def test_a_pause_does_not_reprice_every_count():
     model.observe(16, 0.022, 0, 0.0)  # a normal step again: nothing is dragged below where it was
     for n in (24, 40, 64):
         assert model.target_s(n) >= before[n] * 0.999
-    # A count's first step, a pause too: taken at FIRST_CLIP times its prediction at most (one of the
-    # profile's size is taken outright, as a cheap one).
+    # A count's first step, a pause too: taken at FIRST_CLIP times its prediction at most; a cheaper one
+    # outright (a step is not fast by accident).
     predicted = model.target_s(48)
     model.observe(48, 10 * predicted, 2, 0.0)
     assert model.target_s(48) == pytest.approx(FIRST_CLIP * predicted)
     cheap = model.target_s(56) / 2
     model.observe(56, cheap, 2, 0.0)
     assert model.target_s(56) == pytest.approx(cheap)
+    # numpy times are stored as Python floats
+    model.observe(16, np.float32(0.022), 0, 0.0)
+    assert type(model._drift[0]) is float
+
+
+def test_a_lasting_change_is_still_learned_through_the_bound():
+    from specdec.policies.cost_model import StepCostModel
+
+    # Every step becomes 3x dearer (a neighbour process): the bound widens while it keeps being hit
+    # (1.5, 2.25, 3.4x), so the model follows within a few tens of steps, as an unbounded one did.
+    model = StepCostModel({16: 0.020, 64: 0.030})
+    for _ in range(20):
+        model.observe(16, 0.022, 0, 0.0)
+    for _ in range(40):
+        model.observe(16, 0.066, 0, 0.0)
+    assert model.target_s(16) == pytest.approx(0.066, rel=0.03)
+    assert 0.066 + 0.0099 < model.target_s(64) < 0.066 * 0.030 / 0.020  # the excess carried as an amount
+    # and back: the bound widens the other way too
+    for _ in range(40):
+        model.observe(16, 0.022, 0, 0.0)
+    assert model.target_s(16) == pytest.approx(0.022, rel=0.03)
+    # One count set far off (its first step a 3x pause, as dear as the bound lets it) learns its own cost
+    # from its next steps, and does not drag the count played beside it along (through the drift index,
+    # the plain count's price rose 3x before).
+    model.observe(24, 3 * model.target_s(24), 1, 0.0)
+    worst = 0.0
+    for _ in range(10):
+        model.observe(24, 0.025, 1, 0.0)
+        model.observe(16, 0.022, 0, 0.0)
+        worst = max(worst, model.target_s(16) / 0.022)
+    assert worst < 1.06
+    assert model.target_s(24) == pytest.approx(0.025, rel=0.05)
+
+
+def test_an_untried_count_between_two_observed_ones_is_never_below_both():
+    from specdec.policies.cost_model import StepCostModel
+
+    # A profile far from linear between two observed counts: their excesses interpolated would price
+    # 50 tokens below zero (and bound its first step there); no cheaper than both observed counts.
+    model = StepCostModel({1: 0.010, 50: 0.011, 100: 1.0})
+    model.observe(1, 0.010, 0, 0.0)
+    model.observe(100, 0.010, 0, 0.0)
+    assert model.target_s(50) >= min(model.target_s(1), model.target_s(100)) > 0
+    model.observe(50, 0.011, 0, 0.0)
+    assert model.target_s(50) == pytest.approx(0.011)
 
 
 def test_goodput_never_prices_a_step_with_drafts_below_the_step_without():
+    from specdec.policies import StepObservation
+
     # A cost curve whose plain count runs dear (a correction gone high) and whose drafting counts run
     # cheap: with nothing ever accepted, drafts must not look like a faster step.
-    costs = {"step_s": {16: 0.040, 17: 0.020, 80: 0.022}, "frozen": True, "explore_every": 0}
-    policy = build_policy("goodput", PolicyContext(4), {**costs, "prior_acceptance": 0.0})
+    curve = {16: 0.040, 17: 0.020, 80: 0.022}
+    frozen = {"step_s": curve, "frozen": True, "explore_every": 0}
+    policy = build_policy("goodput", PolicyContext(4), {**frozen, "prior_acceptance": 0.0})
     assert policy.costs.target_s(24) < policy.costs.target_s(16)
     assert policy.decide(_inputs([None] * 16)) == [0] * 16
-    # With acceptance, the drafted step is priced as the plain one and drafting pays.
-    hopeful = build_policy("goodput", PolicyContext(4), {**costs, "prior_acceptance": 0.5})
-    assert all(d > 0 for d in hopeful.decide(_inputs([None] * 16)))
+    # Learning costs: steps that cost what the policy priced them (the plain step's seconds, floored)
+    # settle at a cost calibration of 1; settled unfloored, it climbed to its cap of 4 (drafting priced
+    # four times too dear) within 50 steps.
+    learner = build_policy("goodput", PolicyContext(4), {"step_s": curve, "prior_acceptance": 0.9})
+    drafted = 0
+    for _ in range(50):
+        depths = learner.decide(_inputs([None] * 16))
+        tokens = 16 + sum(depths)
+        seconds = max(learner.costs.target_s(tokens), learner.costs.target_s(16))
+        per_request = tuple((d, d) for d in depths if d)
+        learner.observe_step(StepObservation(tokens, seconds, 0.0, max(depths), per_request, tokens))
+        drafted += any(depths)
+    assert drafted >= 40
+    assert learner.cost_calibration == pytest.approx(1.0, abs=0.05)
 
 
 def test_prompt_chunks_do_not_make_untried_decode_counts_look_cheap():

@@ -6,10 +6,11 @@ costs given up front), interpolated linearly between its counts; beyond them it 
 by a prior slope (``prior_slope``: the fraction of a one-token step that each extra token adds; small,
 since a decode step is bound by reading the weights); with no curve at all it is relative (1 for one
 token). Observed steps correct the curve multiplicatively: a running mean of observed ÷ base per
-token count, used for that count. A count not observed yet is predicted as the profile (scaled by the
-drift index below) plus the excess over it of the observed counts: the nearest one's above or below
-them all, the two neighbours' interpolated between them, and below them all no less than the nearest
-one's cost scaled by the profile (so an excess that is negative, steps cheaper than profiled, cannot
+token count (each observation bounded first, see below), used for that count. A count not observed
+yet is predicted as the profile (scaled by the drift index below) plus the excess over it of the
+observed counts: the nearest one's above or below them all, the two neighbours' interpolated between
+them (no cheaper than both), and below them all no less than the nearest one's cost scaled by the
+profile (so an excess that is negative, steps cheaper than profiled, cannot
 bring a small count to zero); with no curve at all (relative units, which cannot take an excess in
 seconds), the observed counts' ratios to the relative curve, the nearest one's or the two neighbours'
 interpolated. So a count the policy never plays carries what the played ones add to
@@ -29,12 +30,14 @@ shorter-context steps made them look cheap against the plain count observed at e
 chunks keep corrections of their own: the profile runs from position 0, so a prompt chunk costs about
 what was profiled, while a decode step also attends over its whole context; mixed into one correction,
 prompt chunks would make the untried decode counts look cheap again.
-Observed steps are bounded against the prediction (``STEP_CLIP``, ``FIRST_CLIP``): one pause must not
-reprice every count. Drafting costs
-``draft_s_per_position`` seconds per draft position of the step (sequential draft steps: a draft model
-or head drafts all requests' position d together), a running mean of observed drafting time divided by
-the step's deepest draft, learned per bucket of drafting requests (1, 2, 3-4, 5-8, ...); when it was not
-given (0), a bucket's first drafting step sets it.
+Each observed step is first bounded against its count's prediction (``STEP_CLIP``; a count's first step only
+above, ``FIRST_CLIP``, and only against a profile; a count's second step in a row beyond its bound the same
+way is taken outright as its own cost, so a lasting change is learned in two steps): one pause must not
+reprice every count, nor one count set far off (a first step that was a pause) drag the others along.
+Drafting costs ``draft_s_per_position`` seconds per draft position of the step (sequential draft steps: a
+draft model or head drafts all requests' position d together), a running mean of observed drafting time
+divided by the step's deepest draft, learned per bucket of drafting requests (1, 2, 3-4, 5-8, ...); when it
+was not given (0), a bucket's first drafting step sets it.
 
 Catch-up: ``catch_up_s_per_token``, the seconds per token a draft model spends reading a request's
 backlog before its first draft (its prompt, or the tokens since it last drafted; lazy catch-up in
@@ -59,16 +62,19 @@ from specdec.errors import ConfigError
 #: dearer than its count's correction is taken mostly as drift, shared by every count.
 SHAPE_DECAY = 0.2
 #: A step of a count observed before is taken at most this factor dearer or cheaper than the count's
-#: prediction. A pause (garbage collection, a page fault, a busy neighbour: 1.7x and 15x steps at 16
+#: prediction. A pause (a garbage-collector pass, a page fault, a busy neighbour: 1.7x and 15x steps at 16
 #: HumanEval requests on SmolLM2, 2-core AMX) otherwise moved the drift index by 7 % and 140 % at once,
 #: and the next normal step of an inflated count dragged every count down with it, so the goodput policy
 #: priced 24- to 64-token steps below the 16-token plain step and drafted at 0.80x plain. A lasting change
-#: is still learned: the drift index moves up to ``decay * (factor - 1)`` (5 %) a step.
+#: is still learned: a count's second and further steps in a row beyond the bound the same way are taken
+#: outright as its own cost (its correction set to them; the drift index, shared by every count, stays);
+#: a step within the bound resets it.
 STEP_CLIP = 1.5
-#: Where a profile was given, a count's first step is taken outright up to this factor over its
+#: Where a profile was given, a count's first step is taken at most this factor dearer than its
 #: prediction (the profile is the forward alone; real steps add verification and attention over long
-#: contexts: 1.1-2x here), and at this factor beyond it (a pause). Cheaper than predicted is taken
-#: outright; without a profile (the prior slope's guess) every first step is.
+#: contexts, 1.1-2x here); cheaper is taken outright (a step is not fast by accident), and without a
+#: profile (the prior slope's relative guess) every first step is. Further steps of the count are taken as
+#: ``STEP_CLIP`` says.
 FIRST_CLIP = 3.0
 
 
@@ -132,6 +138,8 @@ class StepCostModel:
         self._ratio: tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]]] = ({}, {})
         self._sorted_observed: list[list[int]] = [[], []]
         self._drift = [1.0, 1.0]
+        # count -> +1 / -1: its last step was beyond its bound, dearer / cheaper
+        self._streaks: tuple[dict[int, int], dict[int, int]] = ({}, {})
 
     def _known_counts(self) -> list[int]:
         """The base curve's token counts, ascending (sorted again when ``step_s`` was replaced or grew)."""
@@ -202,8 +210,10 @@ class StepCostModel:
             return max(base * drift + excess(hi), scaled())
         if hi is None:  # above every observed count
             return base * drift + excess(lo)
-        w = (num_tokens - lo) / (hi - lo)  # between two: their excesses interpolated
-        return base * drift + (1 - w) * excess(lo) + w * excess(hi)
+        w = (num_tokens - lo) / (hi - lo)  # between two: their excesses interpolated, no cheaper than both
+        # (a profile far from linear between them could otherwise take it below zero)
+        floor = min(self._predict(lo, prefill), self._predict(hi, prefill))
+        return max(base * drift + (1 - w) * excess(lo) + w * excess(hi), floor)
 
     def _observed_counts(self, kind: int) -> list[int]:
         """The token counts observed for ``kind``, ascending (sorted again when a count was added)."""
@@ -211,6 +221,26 @@ class StepCostModel:
         if len(counts) != len(self._ratio[kind]):
             counts = self._sorted_observed[kind] = sorted(self._ratio[kind])
         return counts
+
+    def _bounded(
+        self, kind: int, num_tokens: int, r: float, expected: float, factor: float, cheaper: bool = True
+    ) -> tuple[float, bool]:
+        """The observed ratio ``r`` bounded against ``expected``, the count's predicted ratio (not bounded
+        where that is not a positive finite number; ``cheaper=False``: bounded above only), and whether
+        it is the count's second step in a row beyond ``factor`` the same way: a lone one is taken at
+        ``factor`` (a pause), the second and further outright, as the count's own cost."""
+        streaks = self._streaks[kind]
+        if not 0 < expected < math.inf:
+            streaks.pop(num_tokens, None)
+            return r, False
+        way = 1 if r > expected else -1
+        if (not cheaper or expected / factor <= r) and r <= expected * factor:
+            streaks.pop(num_tokens, None)
+            return r, False
+        if streaks.get(num_tokens) == way:
+            return r, True
+        streaks[num_tokens] = way
+        return (expected * factor if way > 0 else expected / factor), False
 
     def set_draft_costs(self, per_position: dict[int, float], catch_up_s_per_token: float = 0.0) -> None:
         """Start the drafting cost per bucket from a profile ``{rows: seconds per draft position}`` (a
@@ -268,20 +298,28 @@ class StepCostModel:
         if not (0 < target_s < math.inf) or not _is_count(num_tokens):
             return  # a step of no tokens, or a count that is not an integer: nothing to learn
         num_tokens = int(num_tokens)  # numpy integers are stored as Python ints
+        target_s = float(target_s)  # numpy floats too (a float32 would turn the drift index float32)
         kind, d = int(prefill), self.decay
         base = self.base_s(num_tokens)
-        r = target_s / base
         ratio, old = self._ratio[kind], self._ratio[kind].get(num_tokens)
         if old is None:
-            if self._known_counts():  # a profile to bound a pause by (not the prior slope's guess)
-                r = min(r, FIRST_CLIP * self._predict(num_tokens, prefill) / base)
+            # a profile to bound a pause by (not the prior slope's guess)
+            expected = self._predict(num_tokens, prefill) / base if self._known_counts() else 0.0
+            r, _ = self._bounded(kind, num_tokens, target_s / base, expected, FIRST_CLIP, cheaper=False)
             mean = r
         else:
             drift = self._drift[kind]
             carried = old[0] * drift / old[1]  # the count's correction carried to the current drift
-            r = min(max(r, carried / STEP_CLIP), carried * STEP_CLIP)
-            self._drift[kind] = drift * (1 + d * (r / carried - 1))
-            ds = d * SHAPE_DECAY
+            r, persistent = self._bounded(kind, num_tokens, target_s / base, carried, STEP_CLIP)
+            if persistent:
+                # The count's steps keep landing beyond its bound the same way: its own cost is off (a
+                # first step that was a pause, a shape the profile missed), or every count's is and each
+                # learns its own. Its correction is set to the step; the drift index, shared by every
+                # count, stays (moved by it, a count set far off dragged every other count along).
+                ds = 1.0
+            else:
+                self._drift[kind] = drift * (1 + d * (r / carried - 1))
+                ds = d * SHAPE_DECAY
             mean = (1 - ds) * carried * self._drift[kind] / drift + ds * r
         ratio[num_tokens] = (mean, self._drift[kind])
         if depth > 0 and 0 <= draft_s < math.inf:

@@ -9,8 +9,9 @@ SpecDec++ and vLLM's per-position metrics). The products ``q_i`` are estimated p
 towards ``prior_acceptance ** i``.
 
 Each step the policy picks one depth ``k`` for the batch (each request capped by its own limit) that
-maximises ``(n_0 + sum_r E_r(min(k, cap_r))) / (target_s(T(k)) + draft_s(k))`` (in a step with prompt
-chunks: the expected tokens minus what its seconds would commit by plain decoding, see ``_rate``), where
+maximises ``(n_0 + sum_r E_r(min(k, cap_r))) / (max(target_s(T(k)), target_s(T(0))) + draft_s(k))`` (a
+step with drafts never priced below the same step without them; in a step with prompt chunks: the
+expected tokens minus what its seconds would commit by plain decoding, see ``_rate``), where
 ``n_0`` counts the step's requests that do not draft (one token each), ``T(k)`` is the step's batched
 tokens (prefill chunks included: ``PolicyInput.num_scheduled_tokens`` plus the drafts) and the costs come
 from :class:`~specdec.policies.cost_model.StepCostModel` (the target's step profiled at start-up or loaded
@@ -36,23 +37,22 @@ candidate are scaled by ``(accepted + w) / (predicted + w)`` over the settled de
 capped at the depth. Probes are not settled (their prediction is the hope, not the estimate) and are not
 scaled. A function of the token history.
 
-Cost calibration (``calibrate_costs``): the same curse may reach the costs. A step shape the policy picks
-may be one whose cost it priced low, and the cost model learns per token count, while a drafting step's
-count seldom repeats and the plain count is observed at every step (a trace at 32 requests on SmolLM2,
-suffix decoding, 2-core AMX, had it price a 64-token step 1.17x a 32-token one where the engine's took
-about 1.26x; in a later trace its predictions of the steps as they ran were within 10 %). So each decode
-step that drafted settles its cost: the cost model's prediction of the step as it ran (the drafts
-proposed), before the step corrects it, against its measured seconds (forward, verification, commit and
-drafting; catch-up forwards aside), both as the fraction beyond the plain step's predicted seconds
-(``target_s`` of the step's tokens without drafts, at decision time; the plain count is observed at
-nearly every step, so its prediction is the accurate one), the measured one floored at 0 like the
+Cost calibration (``calibrate_costs``): the same curse may reach the costs. A step shape the policy picks may
+be one whose cost it priced low, and the cost model learns per token count, while a drafting step's count
+seldom repeats and the plain count is observed at every step (a trace at 32 requests on SmolLM2, suffix
+decoding, 2-core AMX, had it price a 64-token step 1.17x a 32-token one where the engine's took about 1.26x;
+in a later trace its predictions of the steps as they ran were within 10 %). So each decode step that drafted
+settles its cost: the cost model's prediction of the step as it ran (the drafts proposed; no cheaper than the
+plain step, as candidates are priced), before the step corrects it, against its measured seconds (forward,
+verification, commit and drafting; catch-up forwards aside), both as the fraction beyond the plain step's
+predicted seconds (``target_s`` of the step's tokens without drafts, at decision time; the plain count is
+observed at nearly every step, so its prediction is the accurate one), the measured one floored at 0 like the
 prediction and capped at twice the prediction plus 0.1 (a pause must not end drafting). Both sums age by
-``calibration_decay`` at every decode step, drafting or not, so a calibration that stopped drafting
-returns towards 1 and drafting is tried again. Every candidate's seconds beyond the plain step's, in
-steps with prompt chunks too, are scaled by ``(realised + w) / (predicted + w)`` (``w =
-cost_calibration_weight`` plain steps; clipped to ``[1/4, 4]``). A token tree is priced by its nodes at
-decision time, as the policy counts its drafts, and settled by the nodes it verified. Measured times, so
-off when the costs are frozen.
+``calibration_decay`` at every decode step, drafting or not, so a calibration that stopped drafting returns
+towards 1 and drafting is tried again. Every candidate's seconds beyond the plain step's, in steps with prompt
+chunks too, are scaled by ``(realised + w) / (predicted + w)`` (``w = cost_calibration_weight`` plain steps;
+clipped to ``[1/4, 4]``). A token tree is priced by its nodes at decision time, as the policy counts its
+drafts, and settled by the nodes it verified. Measured times, so off when the costs are frozen.
 
 Exact: the depth is decided from committed history and costs before the step's drafts exist. With
 ``frozen=True`` the costs are fixed (given as ``step_s``, or the profiled / cached ones) and decisions
@@ -334,8 +334,8 @@ class GoodputPolicy(PolicyBase):
 
     def _seconds(self, tokens: int, depths: list[int], prefill: bool) -> float:
         """Predicted seconds of a step of ``tokens`` batched tokens whose requests draft ``depths``:
-        the target step and the drafting, the part beyond the plain step's (the same step without drafts)
-        scaled by :attr:`cost_calibration`."""
+        the target step (no cheaper than the same step without drafts, the plain step) and the drafting,
+        the part beyond the plain step's scaled by :attr:`cost_calibration`."""
         rows = len(depths) - depths.count(0)  # the drafting requests (depths are >= 0)
         target = self.costs.target_s(tokens, prefill)
         drafted = sum(depths)
@@ -564,7 +564,8 @@ class GoodputPolicy(PolicyBase):
                 # The cost model's prediction of the step as it ran (the drafts proposed, which may be
                 # fewer than granted), before this step corrects it, against its measured seconds.
                 plain_s = pending[0]
-                predicted_s = self.costs.target_s(step.num_tokens) + self.costs.draft_s(
+                # priced as _seconds prices it: never below the plain step
+                predicted_s = max(self.costs.target_s(step.num_tokens), plain_s) + self.costs.draft_s(
                     step.max_depth, max(1, len(step.per_request))
                 )
                 realised_s = step.target_s + step.draft_s
