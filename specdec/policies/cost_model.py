@@ -67,8 +67,10 @@ SHAPE_DECAY = 0.2
 #: and the next normal step of an inflated count dragged every count down with it, so the goodput policy
 #: priced 24- to 64-token steps below the 16-token plain step and drafted at 0.80x plain. A lasting change
 #: is still learned: a count's second and further steps in a row beyond the bound the same way are taken
-#: outright as its own cost (its correction set to them; the drift index, shared by every count, stays);
-#: a step within the bound resets it.
+#: outright as its own cost (its correction set to them; the drift index, shared by every count, moves by
+#: the bound at most, in log space, so that a pause's way in and way out cancel); a step within the bound
+#: resets it. A lasting change of every count beyond the bound so reaches the counts not played since only
+#: in part (about ``decay * log(STEP_CLIP)`` a step while their own steps are out of bound).
 STEP_CLIP = 1.5
 #: Where a profile was given, a count's first step is taken at most this factor dearer than its
 #: prediction (the profile is the forward alone; real steps add verification and attention over long
@@ -311,15 +313,16 @@ class StepCostModel:
             drift = self._drift[kind]
             carried = old[0] * drift / old[1]  # the count's correction carried to the current drift
             r, persistent = self._bounded(kind, num_tokens, target_s / base, carried, STEP_CLIP)
-            if persistent:
-                # The count's steps keep landing beyond its bound the same way: its own cost is off (a
-                # first step that was a pause, a shape the profile missed), or every count's is and each
-                # learns its own. Its correction is set to the step; the drift index, shared by every
-                # count, stays (moved by it, a count set far off dragged every other count along).
-                ds = 1.0
-            else:
-                self._drift[kind] = drift * (1 + d * (r / carried - 1))
-                ds = d * SHAPE_DECAY
+            # The drift index moves by the step's ratio to the prediction, bounded, in log space: the
+            # bound is symmetric in ratio, so a pause's way in and way out cancel (moved linearly, each
+            # short pause left it 1.5 % higher, and it climbed for good).
+            step = min(max(r / carried, 1 / STEP_CLIP), STEP_CLIP)
+            self._drift[kind] = drift * step**d
+            # The count's steps keep landing beyond its bound the same way: its own cost is off (a first
+            # step that was a pause, a shape the profile missed), or every count's is. Its correction is
+            # set to the step; the drift index moved by no more than its bound (moved by the whole
+            # ratio, a count set far off dragged every other count along).
+            ds = 1.0 if persistent else d * SHAPE_DECAY
             mean = (1 - ds) * carried * self._drift[kind] / drift + ds * r
         ratio[num_tokens] = (mean, self._drift[kind])
         if depth > 0 and 0 <= draft_s < math.inf:
