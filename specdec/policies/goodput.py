@@ -341,11 +341,17 @@ class GoodputPolicy(PolicyBase):
         drafted = sum(depths)
         if not drafted:
             return target
-        # A step never costs less with drafts than without: a count whose correction ran low (or the
-        # plain count's high) must not make drafting look cheaper than free.
         plain = self.costs.target_s(tokens - drafted, prefill)
-        seconds = max(target, plain) + self.costs.draft_s(max(depths, default=0), rows)
+        seconds = self._drafting_step_s(target, plain, max(depths, default=0), rows)
         return plain + self.cost_calibration * (seconds - plain)
+
+    def _drafting_step_s(self, target_s: float, plain_s: float, depth: int, rows: int) -> float:
+        """A drafting step's uncalibrated seconds: the cost model's target step ``target_s``, no cheaper
+        than the same step without drafts ``plain_s`` (a count whose correction ran low, or the plain
+        count's high, must not make drafting look cheaper than free), plus drafting to ``depth`` for
+        ``rows`` requests. How candidates are priced (:meth:`_seconds`) and drafting steps settled
+        (:meth:`observe_step`) alike."""
+        return max(target_s, plain_s) + self.costs.draft_s(depth, rows)
 
     def charges(self, batch: list[PolicyInput]) -> list[float]:
         """Per request, the seconds charged per token it commits while drafting: reading its draft
@@ -564,10 +570,9 @@ class GoodputPolicy(PolicyBase):
                 # The cost model's prediction of the step as it ran (the drafts proposed, which may be
                 # fewer than granted), before this step corrects it, against its measured seconds.
                 plain_s = pending[0]
-                # priced as _seconds prices it: never below the plain step
-                predicted_s = max(self.costs.target_s(step.num_tokens), plain_s) + self.costs.draft_s(
-                    step.max_depth, max(1, len(step.per_request))
-                )
+                rows = max(1, len(step.per_request))
+                target_s = self.costs.target_s(step.num_tokens)
+                predicted_s = self._drafting_step_s(target_s, plain_s, step.max_depth, rows)
                 realised_s = step.target_s + step.draft_s
                 if 0 < plain_s < math.inf and 0 <= realised_s < math.inf:
                     predicted = max(0.0, predicted_s / plain_s - 1)
