@@ -1004,6 +1004,8 @@ class TrainDataConfig:
         cache_dir: where the data is cached (None: ``<specdec cache>/train``).
         instruct_limit: generated instruction prompts of Spec-Bench's kinds used (0: none; None: all;
             see :func:`experiments.instruct.load_instruct`).
+        synth_prompts: user requests the target writes itself (Magpie), added to the prompts (0: none;
+            see :func:`experiments.train.synth.synthesize_prompts`; cached apart).
         feature_layers: None stores the final-norm features ``[L, H]`` (Medusa, EAGLE); a list stores
             the residual streams entering those target layers, then the final-norm features, ``[L, (n +
             1) H]``, and the target's top token at every position (EAGLE-3; ``[]``: its default layers;
@@ -1026,6 +1028,7 @@ class TrainDataConfig:
     feature_batch_tokens: int = 4096
     cache_dir: str | None = None
     instruct_limit: int | None = 0
+    synth_prompts: int = 0
     feature_layers: list[int] | None = None
 
 
@@ -1662,6 +1665,8 @@ def validate_train_config(cfg: TrainConfig) -> None:
     ):
         if value is not None and value < 0:
             raise ValueError(f"{key} must be >= 0 or null, got {value}")
+    if data.synth_prompts < 0:
+        raise ValueError(f"data.synth_prompts must be >= 0, got {data.synth_prompts}")
     for key, value in (
         ("data.max_prompt_chars", data.max_prompt_chars),
         ("data.max_new_tokens", data.max_new_tokens),

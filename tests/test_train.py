@@ -86,6 +86,8 @@ def test_train_config_rejects_bad_values(hydra_conf):
         load_train_cfg("data.include_greedy=true")
     with pytest.raises(ValueError, match="eagle_unroll"):
         load_train_cfg("drafter=eagle", "train.eagle_unroll=3")
+    with pytest.raises(ValueError, match=r"data\.synth_prompts must be >= 0, got -1"):
+        load_train_cfg("data.synth_prompts=-1")
 
 
 # ----------------------------------------------------------------------------------------- prompts

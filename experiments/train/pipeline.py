@@ -108,7 +108,7 @@ def _prompts_and_ids(
         return prompts, [list(p) for p in prompt_ids]
     from experiments.run import load_tokenizer, prompt_token_ids
 
-    prompts = training_prompts(cfg.data)
+    prompts = training_prompts(cfg.data, cfg.model.name, cfg.model.dtype.value)
     if not prompts:
         raise ValueError("no prompts: data.builtin_limit and data.chat_limit are both 0")
     tokenizer = load_tokenizer(cfg.model.name)

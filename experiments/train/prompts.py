@@ -1,7 +1,9 @@
 """The prompt sets of the training data and their held-out split.
 
-Prompts: the built-in standard-library prompts (:func:`experiments.datasets.load_builtin`) and the
-built-in chat prompts (:func:`experiments.datasets.load_chat`). A prompt is held out for evaluation when
+Prompts: the built-in standard-library prompts (:func:`experiments.datasets.load_builtin`), the
+built-in chat prompts (:func:`experiments.datasets.load_chat`), optionally the generated instruction
+prompts (:func:`experiments.instruct.load_instruct`) and requests the target writes itself
+(:func:`experiments.train.synth.synthesize_prompts`). A prompt is held out for evaluation when
 a hash of its id falls below ``data.heldout_fraction`` (:func:`is_heldout`); :func:`load_heldout_prompts`
 gives them back.
 """
@@ -37,9 +39,16 @@ def split_heldout(prompts: Sequence[Prompt], fraction: float) -> list[bool]:
     return flags
 
 
-def training_prompts(data: TrainDataConfig) -> list[Prompt]:
+def training_prompts(
+    data: TrainDataConfig, model: str | None = None, dtype: str = "bfloat16"
+) -> list[Prompt]:
     """Every prompt of the training data (both splits): built-in, then chat, then the generated
-    instruction prompts (``data.instruct_limit``, none by default)."""
+    instruction prompts (``data.instruct_limit``, none by default), then ``data.synth_prompts`` requests
+    written by ``model`` in ``dtype`` (Magpie; none by default).
+
+    Raises:
+        ValueError: ``data.synth_prompts`` > 0 without ``model``.
+    """
     builtin = (
         []
         if data.builtin_limit == 0
@@ -51,7 +60,14 @@ def training_prompts(data: TrainDataConfig) -> list[Prompt]:
         from experiments.instruct import load_instruct
 
         instruct = load_instruct(data.instruct_limit, data.prompt_seed)
-    return builtin + chat + instruct
+    synth: list[Prompt] = []
+    if data.synth_prompts > 0:
+        if model is None:
+            raise ValueError("data.synth_prompts > 0 needs the model that writes them")
+        from experiments.train.synth import synthesize_prompts
+
+        synth = synthesize_prompts(model, data.synth_prompts, dtype=dtype, cache_dir=data.cache_dir)
+    return builtin + chat + instruct + synth
 
 
 def load_heldout_prompts(data: TrainDataConfig | None = None) -> list[Prompt]:
