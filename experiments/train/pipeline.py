@@ -110,7 +110,10 @@ def _prompts_and_ids(
 
     prompts = training_prompts(cfg.data, cfg.model.name, cfg.model.dtype.value)
     if not prompts:
-        raise ValueError("no prompts: data.builtin_limit and data.chat_limit are both 0")
+        raise ValueError(
+            "no prompts: data.builtin_limit, data.chat_limit, data.instruct_limit and data.synth_prompts "
+            "are all 0"
+        )
     tokenizer = load_tokenizer(cfg.model.name)
     if tokenizer is None:
         raise ValueError(f"model {cfg.model.name} has no tokenizer: pass prompt token ids")

@@ -72,7 +72,8 @@ def training_prompts(
 
 def load_heldout_prompts(data: TrainDataConfig | None = None) -> list[Prompt]:
     """The held-out prompts of the training data (default: the settings of ``conf/train.yaml``), for
-    evaluating heads on prompts they were not trained on."""
+    evaluating heads on prompts they were not trained on. Raises ``ValueError`` when
+    ``data.synth_prompts`` > 0 (their model is not known here: use :func:`training_prompts`)."""
     data = data or TrainDataConfig()
     prompts = training_prompts(data)
     return [p for p, h in zip(prompts, split_heldout(prompts, data.heldout_fraction)) if h]
