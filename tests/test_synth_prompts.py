@@ -146,6 +146,10 @@ def test_rounds_continue_from_the_cache_so_a_longer_list_starts_with_a_shorter_o
     assert synthesize_prompts(MODEL, 0, cache_dir=tmp_path) == []
     with pytest.raises(ValueError, match="count must be >= 0"):
         synthesize_prompts(MODEL, -1, cache_dir=tmp_path)
+    for bad in (2.5, "3", True):  # before any sampling
+        with pytest.raises(TypeError, match="count must be an int"):
+            synthesize_prompts(MODEL, bad, cache_dir=tmp_path)
+    assert len(asked) == 9
 
 
 def test_rounds_drop_fresh_chat_wording_and_stop_when_the_model_never_ends_a_request():

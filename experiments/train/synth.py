@@ -163,10 +163,13 @@ def synthesize_prompts(
         cache_dir: the cache's directory (None: ``<specdec cache>/train``).
 
     Raises:
+        TypeError: ``count`` not an int.
         ValueError: ``count`` < 0, a chat template without a clean user-message slot
             (:func:`template_parts`), or fewer than one request kept in 20 samples (the model does not
             end its requests).
     """
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise TypeError(f"count must be an int, got {count!r}")
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     if count == 0:
