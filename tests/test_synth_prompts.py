@@ -10,7 +10,7 @@ import pytest
 from experiments.config import TrainDataConfig
 from experiments.instruct import FRESH_CHAT
 from experiments.train import synth
-from experiments.train.prompts import is_heldout, training_prompts
+from experiments.train.prompts import is_heldout, split_heldout, training_prompts
 from experiments.train.synth import (
     SynthSettings,
     keep_request,
@@ -186,8 +186,9 @@ def test_synthesised_prompts_join_the_training_prompts_last_and_split_by_id(tmp_
     prompts = training_prompts(with_synth, MODEL)
     assert [p.id for p in prompts[: len(plain)]] == [p.id for p in plain]
     assert [p.id for p in prompts[len(plain) :]] == [f"synth/{i}" for i in range(40)]
-    held = [is_heldout(p.id, 0.1) for p in prompts[len(plain) :]]
-    assert 0 < sum(held) < 40  # held out by their ids like any other prompt
+    flags = split_heldout(prompts, 0.1)
+    assert flags == [is_heldout(p.id, 0.1) for p in prompts]  # by each id's hash, no fallback
+    assert 0 < sum(flags[len(plain) :]) < 40  # self-written prompts are held out like any other
     with pytest.raises(ValueError, match="needs the model"):
         training_prompts(with_synth)
 

@@ -208,9 +208,8 @@ def sample_rounds(
         ValueError: the samples reach 20 × ``count`` (and a round) with fewer than ``count`` kept.
     """
     limit = 20 * count + settings.round_requests * settings.samples_per_request
-    while len(_select(samples, settings)) < count:
+    while (kept := len(_select(samples, settings))) < count:
         if len(samples) >= limit:
-            kept = len(_select(samples, settings))
             raise ValueError(f"only {kept} of {count} requests kept from {len(samples)} samples")
         samples += generate(range(next_seed, next_seed + settings.round_requests))
         next_seed += settings.round_requests
