@@ -165,6 +165,8 @@ class BenchDraftersConfig(HarnessConfig):
         (``interleaved`` in the result says which).
     share_target: interleaved rows run over one target in memory (``LLM.with_speculation``): the same
         weights on the same pages for every row; False: each row's engine loads its own.
+    transformers: also time transformers' greedy ``generate`` on the same prompts (the reference row,
+        ``speedup_vs_transformers``); False skips it (minutes at 17 tok/s) where only our rows compare.
     compare_to: the row every other row is paired against, prompt by prompt
         (``paired_speedup_per_category``, :func:`paired_speedups`); ``plain`` by default, e.g. ``ngram``
         to ask whether a drafter is faster than prompt lookup per category. A name that is no method is
@@ -185,6 +187,7 @@ class BenchDraftersConfig(HarnessConfig):
     interleave: bool = True
     share_target: bool = True
     compare_to: str = "plain"
+    transformers: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -356,9 +359,10 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"model": cfg.model, "prompts": cfg.prompts, "num_prompts": len(ids)}
     result["max_tokens"] = cfg.max_tokens
     result["ignore_eos"] = cfg.ignore_eos
-    result["transformers_plain"] = _hf_plain(
-        resolve_model(cfg.model), ids, cfg.max_tokens, getattr(torch, cfg.dtype), cfg.ignore_eos
-    )
+    if cfg.transformers:
+        result["transformers_plain"] = _hf_plain(
+            resolve_model(cfg.model), ids, cfg.max_tokens, getattr(torch, cfg.dtype), cfg.ignore_eos
+        )
     rows: dict[str, Any] = {}
     base_outs: list[list[int]] | None = None
     measured: dict[str, tuple[dict[str, Any], list[list[int]]]] = {}
@@ -396,11 +400,11 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
         skip = ("tau_per_category", "tokens_per_prompt", "seconds_per_prompt")
         print(name, json.dumps({k: v for k, v in row.items() if k not in skip}), flush=True)
     plain = rows.get("plain", {}).get("tokens_per_s")
-    hf = result["transformers_plain"]["tokens_per_s"]
+    hf = result["transformers_plain"]["tokens_per_s"] if cfg.transformers else None
     plain_cats = rows.get("plain", {}).get("tokens_per_s_per_category", {})
     for row in rows.values():
         row["speedup_vs_plain"] = row["tokens_per_s"] / plain if plain else None
-        row["speedup_vs_transformers"] = row["tokens_per_s"] / hf
+        row["speedup_vs_transformers"] = row["tokens_per_s"] / hf if hf else None
         if plain_cats:  # the same prompts per category, so tokens per second compare
             row["speedup_per_category"] = {
                 c: tps / plain_cats[c]
@@ -460,11 +464,17 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     return out
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}×"
+
+
 def format_table(result: dict[str, Any]) -> str:
     rows = result["methods"]
+    hf = result.get("transformers_plain")
+    hf_cell = "not run" if hf is None else f"{hf['tokens_per_s']:.1f} tok/s"
     lines = [
         f"{result['num_prompts']} {result['prompts']} prompts, {result['max_tokens']} tokens each, batch 1, "
-        f"greedy; transformers plain: {result['transformers_plain']['tokens_per_s']:.1f} tok/s",
+        f"greedy; transformers plain: {hf_cell}",
         "",
         "| method | tok/s | vs plain | vs transformers | τ | acceptance per position | matches greedy |",
         "|---|---|---|---|---|---|---|",
@@ -476,7 +486,7 @@ def format_table(result: dict[str, Any]) -> str:
         match_cell = "" if match is None else f"{match:.0%}"
         lines.append(
             f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain'] or 0:.2f}× | "
-            f"{r['speedup_vs_transformers']:.2f}× | {tau} | {acc} | {match_cell} |"
+            f"{_ratio(r.get('speedup_vs_transformers'))} | {tau} | {acc} | {match_cell} |"
         )
     cats = sorted({c for r in rows.values() for c in r.get("tau_per_category", {})})
     if cats:

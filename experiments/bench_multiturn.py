@@ -26,6 +26,7 @@ from experiments.harness import (
     HarnessConfig,
     benchmark,
     check_speculative_configs,
+    require_choice,
     require_extra_methods,
     require_positive,
     require_subset,
@@ -49,13 +50,17 @@ def _tau(accepted: int, drafts: int) -> float | None:
 
 
 def run_method(
-    model: str, spec: dict[str, Any] | None, convs: list[Conversation], max_tokens: int
+    model: str,
+    spec: dict[str, Any] | None,
+    convs: list[Conversation],
+    max_tokens: int,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Every conversation, turn by turn; per-turn counts, outputs and time."""
     from sampling.params import SamplingParams
     from specdec import LLM
 
-    llm = LLM(model, speculative_config=spec)
+    llm = LLM(model, dtype=dtype, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.chat([{"role": "user", "content": "warm up"}], SamplingParams(temperature=0, max_tokens=4))
     if llm.engine.drafter is not None and hasattr(llm.engine.drafter, "cache"):
@@ -110,6 +115,7 @@ class BenchMultiturnConfig(HarnessConfig):
         limit: HumanEval problems used (conversations per kind).
         turns: turns per conversation.
         max_tokens: new tokens per turn at most.
+        dtype: the target's dtype, ``float32`` or ``bfloat16``.
         methods: of :data:`METHODS` or ``extra_methods``, ``plain`` first (the speedups' and exactness's
             baseline).
         extra_methods: more rows, a name -> its ``speculative_config`` (another k, another budget); a name
@@ -121,12 +127,14 @@ class BenchMultiturnConfig(HarnessConfig):
     limit: int = 3
     turns: int = 3
     max_tokens: int = 96
+    dtype: str = "float32"
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     extra_methods: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         super().validate()
         require_positive(self, "limit", "turns", "max_tokens")
+        require_choice("dtype", self.dtype, ("float32", "bfloat16"))
         require_extra_methods(self.extra_methods, METHODS)
         require_subset("methods", self.methods, [*METHODS, *self.extra_methods])
         if self.methods[:1] != ["plain"]:
@@ -142,7 +150,7 @@ def run(cfg: BenchMultiturnConfig) -> dict[str, Any]:
         print(f"skipped: no HumanEval file at {cfg.humaneval}", file=sys.stderr)
         return {}
     convs = load_multiturn(cfg.humaneval, cfg.limit, cfg.turns)
-    results = {m: run_method(cfg.model, specs[m], convs, cfg.max_tokens) for m in cfg.methods}
+    results = {m: run_method(cfg.model, specs[m], convs, cfg.max_tokens, cfg.dtype) for m in cfg.methods}
     base = results["plain"]
     for r in results.values():
         r["exact"] = r["outputs"] == base["outputs"]

@@ -146,8 +146,8 @@ class SuffixDrafterConfig(DrafterConfig):
         num_speculative_tokens: a chain's length, or a tree's greatest depth (K).
         tree: None (a chain) or ``dynamic`` (a token tree of the most frequent continuations).
         max_tree_nodes: most draft tokens in a tree.
-        max_match, min_token_prob, spec_factor, cache_max_nodes, share_across_requests: the
-            ``suffix_*`` fields of ``SpeculativeConfig``.
+        max_match, min_token_prob, spec_factor, accept_threshold, cache_max_nodes,
+            share_across_requests: the ``suffix_*`` fields of ``SpeculativeConfig``.
     """
 
     method: str = "suffix"
@@ -156,7 +156,8 @@ class SuffixDrafterConfig(DrafterConfig):
     max_tree_nodes: int = 15  # specdec.config.DEFAULT_MAX_TREE_NODES: 16 rows with the root
     max_match: int = 16
     min_token_prob: float = 0.1
-    spec_factor: float = 1.0
+    spec_factor: float = 4.0
+    accept_threshold: Any = "auto"  # "auto" or a number in [0, 1]
     cache_max_nodes: int = 1 << 20
     share_across_requests: bool = False
 
@@ -166,6 +167,7 @@ class SuffixDrafterConfig(DrafterConfig):
             "suffix_max_match": self.max_match,
             "suffix_min_token_prob": self.min_token_prob,
             "suffix_spec_factor": self.spec_factor,
+            "suffix_accept_threshold": self.accept_threshold,
             "suffix_cache_max_nodes": self.cache_max_nodes,
             "suffix_share_across_requests": self.share_across_requests,
         }
@@ -179,7 +181,14 @@ class SuffixDrafterConfig(DrafterConfig):
 
     def field_keys(self) -> dict[str, str]:
         """``suffix_<key>`` is set from ``drafter.<key>``."""
-        keys = ("max_match", "min_token_prob", "spec_factor", "cache_max_nodes", "share_across_requests")
+        keys = (
+            "max_match",
+            "min_token_prob",
+            "spec_factor",
+            "accept_threshold",
+            "cache_max_nodes",
+            "share_across_requests",
+        )
         return {f"suffix_{k}": k for k in keys}
 
 

@@ -289,6 +289,11 @@ class SpeculativeConfig:
             along the suffix trie) is below this are not drafted (0..1).
         suffix_spec_factor: "suffix" / "hybrid": a match of p tokens allows ``ceil(factor × p)`` drafts
             (SuffixDecoding's adaptive budget), capped by k and ``max_tree_nodes``.
+        suffix_accept_threshold: "suffix" / "hybrid": a chain keeps its drafts while their estimated
+            chance of acceptance (from earlier drafts after matches of the same length) is at least this
+            (at least one draft); ``"auto"`` (the default): the break-even from the target's profiled
+            step costs (a verification row's cost × mean tokens per step), a number in [0, 1] fixes it,
+            0 keeps every draft. See :mod:`specdec.drafters.draft_length`.
         suffix_cache_max_nodes: "suffix" / "hybrid": node budget of the global suffix trie over earlier
             requests (least recently used requests evicted; ~270 bytes a node in CPython 3.11).
         suffix_share_across_requests: "suffix" / "hybrid": draft from earlier requests' prompts and
@@ -335,7 +340,8 @@ class SpeculativeConfig:
     max_forced_drafts: int | None = None
     suffix_max_match: int = 16
     suffix_min_token_prob: float = 0.1
-    suffix_spec_factor: float = 1.0
+    suffix_spec_factor: float = 4.0
+    suffix_accept_threshold: float | str = "auto"
     suffix_cache_max_nodes: int = 1 << 20
     suffix_share_across_requests: bool = False
     hybrid_members: list[str] | None = None

@@ -443,6 +443,12 @@ def test_bench_drafters_speed_per_category(monkeypatch):
     assert "| chat | 1.00× (n = 1) |" in table
     with pytest.raises(ConfigError, match="compare_to"):
         bench_drafters.main.config(["methods=[plain,ngram]", "compare_to=ngarm"])
+    # transformers=false: no reference row, the ratios to it None, the table says so.
+    monkeypatch.setattr(bench_drafters, "_hf_plain", lambda *a: pytest.fail("transformers ran"))
+    no_hf = bench_drafters.run(bench_drafters.main.config(["methods=[plain,ngram]", "transformers=false"]))
+    assert "transformers_plain" not in no_hf and no_hf["methods"]["ngram"]["speedup_vs_transformers"] is None
+    assert no_hf["methods"]["ngram"]["speedup_per_category"]["code"] == 2.0
+    assert "transformers plain: not run" in bench_drafters.format_table(no_hf)
 
 
 def test_paired_speedups_match_a_t_interval_on_log_ratios():

@@ -175,7 +175,7 @@ def test_drafting_after_an_eviction_touches_a_live_source():
 
 
 def test_drafting_from_the_cache_touches_the_source():
-    d = _drafter(suffix_share_across_requests=True, suffix_cache_max_nodes=200)
+    d = _drafter(suffix_share_across_requests=True, suffix_cache_max_nodes=200, suffix_spec_factor=1.0)
     first = _request([7, 8, 9, 10, 11, 12], "a")
     _finish(d, first)
     second = _request([20, 21, 22, 23, 24, 25], "b")
@@ -189,7 +189,7 @@ def test_drafting_from_the_cache_touches_the_source():
 
 # ------------------------------------------------------------------------------------------ the drafter
 def test_drafts_from_the_request_itself_incrementally():
-    d = _drafter(k=4)
+    d = _drafter(k=4, suffix_spec_factor=1.0)
     req = _request([1, 2, 3, 4, 5, 6, 1, 2])
     assert d.draft(req, 4, 0).token_ids == [3, 4]  # a 2-token match: budget ceil(1.0 * 2) = 2
     state = d.states.peek(req)
@@ -238,7 +238,7 @@ def test_spec_factor_and_tree_budget():
 
 def test_requests_do_not_draft_from_each_other_unless_enabled():
     for share in (False, True):
-        d = _drafter(suffix_share_across_requests=share)
+        d = _drafter(suffix_share_across_requests=share, suffix_spec_factor=1.0)
         a = _request([11, 12, 13, 14, 15, 16, 17], "a")
         d.draft(a, 4, 0)
         _finish(d, a)
@@ -268,6 +268,10 @@ def test_preempted_and_failed_requests_do_not_join_the_cache():
         ("suffix_min_token_prob", 1.5, "suffix_min_token_prob must be a number in"),
         ("suffix_spec_factor", 0, "suffix_spec_factor must be a finite number > 0"),
         ("suffix_spec_factor", float("inf"), "suffix_spec_factor must be a finite number > 0"),
+        ("suffix_accept_threshold", "fast", 'suffix_accept_threshold must be "auto" or a number in'),
+        ("suffix_accept_threshold", 1.5, 'suffix_accept_threshold must be "auto" or a number in'),
+        ("suffix_accept_threshold", True, 'suffix_accept_threshold must be "auto" or a number in'),
+        ("suffix_accept_threshold", float("nan"), 'suffix_accept_threshold must be "auto" or a number in'),
         ("suffix_cache_max_nodes", -1, "suffix_cache_max_nodes must be an integer >= 0"),
         ("suffix_share_across_requests", "yes", "suffix_share_across_requests must be a bool"),
     ],
@@ -350,7 +354,7 @@ def test_per_request_metrics_have_the_hybrids_keys():
     from specdec.drafters.base import DraftInput
     from specdec.drafters.draft_stats import MemberStats
 
-    d = _drafter(k=4)
+    d = _drafter(k=4, suffix_spec_factor=1.0)
     req = _request([1, 2, 3, 4, 5, 6, 1, 2])
     (p,) = d.propose([DraftInput(req, 8, 4)])
     assert p.token_ids == [3, 4]
@@ -372,7 +376,7 @@ def test_per_request_metrics_have_the_hybrids_keys():
 
     from specdec.drafters.hybrid import HybridDrafter
 
-    config = SpeculativeConfig("hybrid", 4, hybrid_members=["suffix"])
+    config = SpeculativeConfig("hybrid", 4, hybrid_members=["suffix"], suffix_spec_factor=1.0)
     hybrid = HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
     req = _request([1, 2, 3, 4, 5, 6, 1, 2], "h")
     hybrid.propose([DraftInput(req, 8, 4)])

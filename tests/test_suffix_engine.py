@@ -3,7 +3,7 @@
 chi-square test of the sampled distribution (chains and trees) with negative controls that must fail.
 
 False positives: each distribution test fails an exact engine with probability ``ALPHA`` = 1e-3 (the
-chi-square test of :mod:`tests.stats`; six such tests here: about 0.6 % per run of the file). Greedy
+chi-square test of :mod:`tests.stats`; seven such tests here: about 0.7 % per run of the file). Greedy
 tests are deterministic. The negative controls must reach p < 1e-6; with their biases (accepting every
 draft, or keeping the target's row after a tree rejection) the observed p-values are far below that.
 """
@@ -62,6 +62,7 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
 
 CASES = [
     ("suffix", False, False, None),
+    ("suffix", False, False, "cut"),
     ("suffix", False, True, None),
     ("suffix", True, True, None),
     ("suffix", True, True, "test_varying"),
@@ -76,8 +77,16 @@ def test_greedy_output_equals_plain_decoding(setup, method, tree, share, policy)
 
     common = dict(skip_tokenizer_init=True, block_size=4)
     base = _greedy(LLM(setup["target"], **common), PROMPTS)
-    spec = _spec(method, tree, share, policy=policy or "static")
+    if policy == "cut":  # chains cut where a draft's estimated acceptance falls below 0.35
+        spec = _spec(method, tree, share, suffix_accept_threshold=0.35)
+    else:
+        spec = _spec(method, tree, share, policy=policy or "static")
     llm = LLM(setup["target"], speculative_config=spec, **common)
+    cuts: list[tuple[int, int]] = []  # (drafts offered, drafts kept) by the chain cut
+    if policy == "cut":
+        rule = llm.engine.drafter.length_rule
+        length = rule.length
+        rule.length = lambda p, n: cuts.append((n, length(p, n))) or cuts[-1][1]
     for _ in range(2):  # the second round drafts from the first's outputs when sharing
         assert _greedy(llm, PROMPTS) == base
     stats = llm.engine.spec_stats
@@ -97,6 +106,30 @@ def test_greedy_output_equals_plain_decoding(setup, method, tree, share, policy)
         assert stats.num_accepted_tokens - 3 * 2 * len(PROMPTS) <= chosen <= stats.num_accepted_tokens
     elif share:
         assert drafter.num_global_drafts > 0
+    if policy == "cut":  # the cut shortened some chains, never to nothing, and learned from every chain
+        assert any(kept < n for n, kept in cuts) and all(1 <= kept <= n for n, kept in cuts if n)
+        # each request's last step (cut by max_tokens) reports no verification to the drafter
+        assert stats.num_drafts - 2 * len(PROMPTS) <= drafter.length_rule.steps <= stats.num_drafts
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_the_engine_hands_the_chain_cut_its_step_costs(setup, method):
+    """``suffix_accept_threshold="auto"`` (the default): before the first step the engine profiles the
+    target's step costs once and hands them to the suffix drafter (a hybrid's member); a fixed threshold
+    asks for none, and the engine profiles nothing."""
+    common = dict(skip_tokenizer_init=True, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(setup["target"], speculative_config=_spec(method, False, False), **common)
+    llm.generate({"prompt_token_ids": PROMPTS[0]}, params)
+    drafter = llm.engine.drafter
+    suffix = drafter if method == "suffix" else drafter.members[0]
+    assert llm.engine._step_costs is not None
+    assert suffix.length_rule.row_cost is not None and suffix.length_rule.row_cost >= 0
+    fixed = LLM(
+        setup["target"], speculative_config=_spec(method, False, False, suffix_accept_threshold=0.2), **common
+    )
+    fixed.generate({"prompt_token_ids": PROMPTS[0]}, params)
+    assert fixed.engine._step_costs is None and not fixed.engine.drafter.wants_step_costs
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +203,33 @@ def _llm(setup, spec: dict) -> LLM:
 
 
 # Sharing on, with a small cache: drafts come from earlier samples and change as the cache evicts.
+# Trees keep SuffixDecoding's budget of 1 × the match length: the tree control's power (p < 1e-6) was
+# established with it (with a budget of 4 × it read p = 4e-6 once). "suffix-chain-cut" cuts chains where
+# a draft's estimated acceptance falls below 0.35 (:mod:`specdec.drafters.draft_length`): chains of 1-3.
 DIST_CASES = {
     "suffix-chain": _spec("suffix", False, True, k=2, suffix_cache_max_nodes=400),
-    "suffix-tree": _spec("suffix", True, True, k=2, suffix_cache_max_nodes=400, suffix_min_token_prob=0.0),
+    "suffix-chain-cut": _spec(
+        "suffix", False, True, k=3, suffix_cache_max_nodes=400, suffix_accept_threshold=0.35
+    ),
+    "suffix-tree": _spec(
+        "suffix",
+        True,
+        True,
+        k=2,
+        suffix_cache_max_nodes=400,
+        suffix_min_token_prob=0.0,
+        suffix_spec_factor=1.0,
+    ),
     "hybrid-chain": _spec("hybrid", False, True, k=2, suffix_cache_max_nodes=400),
-    "hybrid-tree": _spec("hybrid", True, True, k=2, suffix_cache_max_nodes=400, suffix_min_token_prob=0.0),
+    "hybrid-tree": _spec(
+        "hybrid",
+        True,
+        True,
+        k=2,
+        suffix_cache_max_nodes=400,
+        suffix_min_token_prob=0.0,
+        suffix_spec_factor=1.0,
+    ),
 }
 
 
@@ -215,7 +270,7 @@ def test_learned_member_negative_control_fails(setup, eagle_head):
     assert res.pvalue < ALPHA * 1e-3
 
 
-@pytest.mark.parametrize("name", ["suffix-chain", "suffix-tree"])
+@pytest.mark.parametrize("name", ["suffix-chain", "suffix-chain-cut", "suffix-tree"])
 def test_negative_controls_fail(setup, name, monkeypatch):
     llm = _llm(setup, DIST_CASES[name])
     if "tree" in name:  # after a rejection keep the target's row (no residual)

@@ -256,6 +256,17 @@ class HybridDrafter(DrafterBase):
         """The most tokens a member caught up on in the latest :meth:`propose` (their spans overlap)."""
         return max(int(getattr(m, "catch_up_tokens", 0)) for m in self.members)
 
+    @property
+    def wants_step_costs(self) -> bool:
+        """True when a member wants the target's profiled step costs (suffix decoding's chain cut)."""
+        return any(getattr(m, "wants_step_costs", False) for m in self.members)
+
+    def set_step_costs(self, step_s: dict[int, float]) -> None:
+        """Hand the target's step costs to the members that want them."""
+        for m in self.members:
+            if getattr(m, "wants_step_costs", False):
+                m.set_step_costs(step_s)
+
     def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
         """The longest member backlog for ``request`` (what its next draft reads first: the learned
         member's head, suffix decoding's trie), or 0."""

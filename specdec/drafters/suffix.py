@@ -17,7 +17,9 @@ frequent continuations (best-first by path probability, like EAGLE-2's reranking
 of highest expected accepted length. The speculation budget of a match of ``p`` tokens is
 ``ceil(suffix_spec_factor × p)`` drafts (SuffixDecoding's adaptive ``MAX_SPEC = α p``), capped by the
 step's depth (``max_drafts``) and a tree's slots (``max_tree_nodes``); continuations of path probability
-below ``suffix_min_token_prob`` are not drafted.
+below ``suffix_min_token_prob`` are not drafted. A chain is then cut where its drafts stop paying
+(``suffix_accept_threshold``, :mod:`specdec.drafters.draft_length`): the acceptance earlier drafts after
+matches of the same length had, against what a verification row costs on this machine.
 
 A request's own trie is the C++ index of :mod:`kernels.suffix_index` where the CPU kernels are built
 (~1.2 µs a token to grow a 200-token prompt, ~4.6 at 32k tokens; ~113 bytes a node), else its Python
@@ -48,6 +50,7 @@ from typing import Any
 from kernels import suffix_index
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
+from specdec.drafters.draft_length import AcceptanceDraftLength, check_threshold
 from specdec.drafters.draft_stats import DraftCounts
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.suffix_tree import (
@@ -66,6 +69,7 @@ SUFFIX_FIELDS = (
     "suffix_max_match",
     "suffix_min_token_prob",
     "suffix_spec_factor",
+    "suffix_accept_threshold",
     "suffix_cache_max_nodes",
     "suffix_share_across_requests",
 )
@@ -77,7 +81,8 @@ def check_suffix_config(config: SpeculativeConfig) -> None:
     Raises:
         ConfigError: naming the field: ``suffix_max_match`` not an integer in [1, 64],
             ``suffix_min_token_prob`` not a number in [0, 1], ``suffix_spec_factor`` not a number > 0,
-            ``suffix_cache_max_nodes`` not an integer >= 0, ``suffix_share_across_requests`` not a bool.
+            ``suffix_accept_threshold`` neither "auto" nor a number in [0, 1], ``suffix_cache_max_nodes``
+            not an integer >= 0, ``suffix_share_across_requests`` not a bool.
     """
     m = config.suffix_max_match
     if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= 64:
@@ -88,6 +93,9 @@ def check_suffix_config(config: SpeculativeConfig) -> None:
     f = config.suffix_spec_factor
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not (f > 0 and math.isfinite(f)):
         raise ConfigError(f"suffix_spec_factor must be a finite number > 0, got {f!r}")
+    message = check_threshold(config.suffix_accept_threshold, "suffix_accept_threshold")
+    if message is not None:
+        raise ConfigError(message)
     n = config.suffix_cache_max_nodes
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ConfigError(f"suffix_cache_max_nodes must be an integer >= 0, got {n!r}")
@@ -116,6 +124,8 @@ class SuffixDrafter(DrafterBase):
         cache: the global :class:`~specdec.drafters.suffix_tree.SuffixCache`, or None when requests do
             not share (``suffix_share_across_requests`` False, the default).
         num_local_drafts, num_global_drafts: proposals taken from a request's own trie / the global one.
+        length_rule: the chain cut (:class:`~specdec.drafters.draft_length.AcceptanceDraftLength`: its
+            counts by match length and draft position, its threshold), or None for trees.
         counts: each request's figures in ``request.drafter_metrics["suffix"]``
             (``RequestOutput.metrics["drafter"]``, the keys the hybrid reports per member:
             :class:`~specdec.drafters.draft_stats.MemberStats`) when it drafts alone (``method="suffix"``;
@@ -129,6 +139,13 @@ class SuffixDrafter(DrafterBase):
         self.max_match = config.suffix_max_match
         self.min_prob = float(config.suffix_min_token_prob)
         self.spec_factor = float(config.suffix_spec_factor)
+        #: Cuts chains where a draft's chance of acceptance falls below the break-even (trees keep α p).
+        self.length_rule = (
+            None
+            if self.tree
+            else AcceptanceDraftLength(config.suffix_accept_threshold, config.num_speculative_tokens)
+        )
+        self._proposed: dict[str, int] = {}  # request id -> its latest chain's match length
         # Deep enough to draft k tokens below the longest match.
         self.depth = self.max_match + config.num_speculative_tokens
         self.cache = (
@@ -195,6 +212,8 @@ class SuffixDrafter(DrafterBase):
         own = state.best_draft(self.max_match, max_drafts, cap, self.spec_factor, self.min_prob, self.tree)
         if own is not None and (best is None or own[2] >= best.score):  # ties: the request's own text
             best = Draft(*own)
+        if best is not None and self.length_rule is not None:
+            best.token_ids = best.token_ids[: self.length_rule.length(best.match_length, len(best.token_ids))]
         if best is not None:
             if best.source >= 0 and self.cache is not None:
                 self.cache.touch(best.source)
@@ -217,6 +236,8 @@ class SuffixDrafter(DrafterBase):
                 if d is None
                 else DraftProposal(d.token_ids, parents=d.parents, match_length=d.match_length)
             )
+            if d is not None:
+                self._proposed[x.request.request_id] = d.match_length
             if self.counts is not None:
                 self.counts.proposed(x, out[-1])
         return out
@@ -235,6 +256,7 @@ class SuffixDrafter(DrafterBase):
         """Forget the request's trie; a request that finished (not by a fault, not preempted) joins the
         global cache when requests share."""
         self.states.reset(request)
+        self._proposed.pop(request.request_id, None)
         if self.counts is not None and request.status.finished:
             self.counts.finished(request)
         if (
@@ -244,7 +266,22 @@ class SuffixDrafter(DrafterBase):
         ):
             self.cache.add(request.token_ids)
 
+    @property
+    def wants_step_costs(self) -> bool:
+        """True when the chain cut's break-even comes from the target's profiled step costs
+        (``suffix_accept_threshold="auto"``): the engine then calls :meth:`set_step_costs` once."""
+        return self.length_rule is not None and self.length_rule.wants_step_costs
+
+    def set_step_costs(self, step_s: dict[int, float]) -> None:
+        """The target's seconds per forward by batched-token count (:mod:`specdec.engine.cost_profile`)."""
+        if self.length_rule is not None:
+            self.length_rule.set_step_costs(step_s)
+
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Nothing to roll back (the tries only ever hold committed tokens); the request's counts."""
+        """Nothing to roll back (the tries only ever hold committed tokens); the chain cut's counts (by
+        the verified chain's match length) and the request's counts."""
+        match_length = self._proposed.pop(request.request_id, None)
+        if self.length_rule is not None and match_length is not None:
+            self.length_rule.observe(match_length, num_drafts, num_accepted)
         if self.counts is not None:
             self.counts.verified(request, num_drafts, num_accepted)

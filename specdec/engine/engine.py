@@ -143,6 +143,7 @@ class LLMEngine:
         self._policy_disabled: set[str] = set()  # requests whose policy failed: no drafts for them
         self._policy_prepared: SpeculationPolicy | None = None  # the policy that got the step costs
         self._policy_learns = True  # False once the policy's observe_step raised
+        self._drafter_prepared = False  # the drafter got the step costs it wants (or wants none)
         self._step_costs: dict[int, float] | None = None  # the target's profiled step costs
         # A draft model's profile: seconds per draft position by drafting rows, catch-up seconds per token.
         self._draft_costs: tuple[dict[int, float], float] | None = None
@@ -297,12 +298,13 @@ class LLMEngine:
                     self.abort_request(rid)
 
     def prepare_policy(self) -> None:
-        """Hand the policy the target's step costs if it wants them (``wants_step_costs``), and a draft
-        model's forward by drafting rows and its catch-up cost per token to a policy with
-        ``set_draft_costs``: profiled once
-        per engine, or loaded from the cache (:mod:`specdec.engine.cost_profile`). ``step`` calls it
-        before a new policy's first decision; call it yourself to keep the profile out of a timed run.
+        """Hand the drafter and the policy the target's step costs if they want them
+        (``wants_step_costs``), and a draft model's forward by drafting rows and its catch-up cost per
+        token to a policy with ``set_draft_costs``: profiled once per engine, or loaded from the cache
+        (:mod:`specdec.engine.cost_profile`). ``step`` calls it before a new policy's (or the drafter's)
+        first decision; call it yourself to keep the profile out of a timed run.
         Run it between steps (the profile borrows free KV blocks)."""
+        self._prepare_drafter()
         policy = self.policy
         if policy is None or policy is self._policy_prepared:
             return
@@ -325,6 +327,20 @@ class LLMEngine:
                     logger.warning(
                         "the speculation policy's set_draft_costs raised %s: %s", type(e).__name__, e
                     )
+
+    def _prepare_drafter(self) -> None:
+        """Hand the drafter the target's step costs once if it wants them (``wants_step_costs``: suffix
+        decoding's chain cut, :mod:`specdec.drafters.draft_length`)."""
+        drafter = self.drafter
+        if drafter is None or self._drafter_prepared or not getattr(drafter, "wants_step_costs", False):
+            return
+        self._drafter_prepared = True
+        if self._step_costs is None:
+            self._step_costs = step_costs(self)
+        try:
+            drafter.set_step_costs(dict(self._step_costs))
+        except Exception as e:  # a plug-in's fault: it drafts without the profile
+            logger.warning("the drafter's set_step_costs raised %s: %s", type(e).__name__, e)
 
     def _step(self) -> list[Request]:
         self.admit_compiled()
