@@ -282,6 +282,14 @@ def test_bad_settings_are_config_errors_naming_the_field(field, value, message):
             SpeculativeConfig(method, **{field: value})
 
 
+def test_a_fixed_accept_threshold_with_a_tree_is_refused():
+    """The chain cut applies to chains; with a tree a number would be silently ignored."""
+    for method in ("suffix", "hybrid"):
+        with pytest.raises(ConfigError, match="suffix_accept_threshold cuts chains"):
+            SpeculativeConfig(method, tree="dynamic", suffix_accept_threshold=0.2)
+        assert SpeculativeConfig(method, tree="dynamic").suffix_accept_threshold == "auto"
+
+
 def test_suffix_fields_belong_to_suffix_and_hybrid_and_trees_are_dynamic():
     with pytest.raises(ConfigError, match="applies to method 'suffix' or 'hybrid' only"):
         SpeculativeConfig("ngram", suffix_max_match=4)

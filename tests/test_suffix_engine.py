@@ -86,7 +86,7 @@ def test_greedy_output_equals_plain_decoding(setup, method, tree, share, policy)
     if policy == "cut":
         rule = llm.engine.drafter.length_rule
         length = rule.length
-        rule.length = lambda p, n: cuts.append((n, length(p, n))) or cuts[-1][1]
+        rule.length = lambda p, n, counts=None: cuts.append((n, length(p, n, counts))) or cuts[-1][1]
     for _ in range(2):  # the second round drafts from the first's outputs when sharing
         assert _greedy(llm, PROMPTS) == base
     stats = llm.engine.spec_stats
@@ -109,7 +109,7 @@ def test_greedy_output_equals_plain_decoding(setup, method, tree, share, policy)
     if policy == "cut":  # the cut shortened some chains, never to nothing, and learned from every chain
         assert any(kept < n for n, kept in cuts) and all(1 <= kept <= n for n, kept in cuts if n)
         # each request's last step (cut by max_tokens) reports no verification to the drafter
-        assert stats.num_drafts - 2 * len(PROMPTS) <= drafter.length_rule.steps <= stats.num_drafts
+        assert stats.num_drafts - 2 * len(PROMPTS) <= drafter.length_rule.shared.steps <= stats.num_drafts
 
 
 @pytest.mark.parametrize("method", ["suffix", "hybrid"])
@@ -130,6 +130,29 @@ def test_the_engine_hands_the_chain_cut_its_step_costs(setup, method):
     )
     fixed.generate({"prompt_token_ids": PROMPTS[0]}, params)
     assert fixed.engine._step_costs is None and not fixed.engine.drafter.wants_step_costs
+
+
+def test_a_seeded_request_repeats_under_the_chain_cut(setup):
+    """The cut's shared counts grow with every request, and a sampled request draws one number per draft:
+    a seeded request learns from its own chains alone, so it draws the same tokens alone, after other
+    requests, and beside them (k = 3, θ = 0.2). Learning from the shared counts instead, the same request
+    gave 2 different outputs in these 4 repeats (and 3 with ``"auto"``)."""
+    llm = LLM(
+        setup["target"],
+        skip_tokenizer_init=True,
+        block_size=4,
+        speculative_config=_spec("suffix", False, False, suffix_accept_threshold=0.2),
+    )
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)
+    others = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    outs = set()
+    for _ in range(4):
+        outs.add(tuple(llm.generate({"prompt_token_ids": PROMPTS[0]}, seeded)[0].outputs[0].token_ids))
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], others)  # the shared counts move on
+    beside = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [seeded] + [others] * 4)
+    outs.add(tuple(beside[0].outputs[0].token_ids))
+    assert len(outs) == 1 and len(next(iter(outs))) == 40
+    assert llm.engine.drafter.length_rule.shared.steps > 0 and not llm.engine.drafter._own_counts
 
 
 @pytest.fixture(scope="module")

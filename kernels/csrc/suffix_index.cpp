@@ -17,11 +17,56 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace {
+
+// The trie's edges, (node, token) -> child: open addressing with linear probing over one array of keys
+// and one of values (a power-of-two capacity, at most half full). A lookup touches one or two cache lines
+// where std::unordered_map touched a bucket, a heap node and its allocator's lists: indexing runs right
+// after a forward has streamed the weights through the caches, so misses are what it costs.
+class EdgeMap {
+ public:
+  static constexpr uint64_t kEmpty = ~uint64_t(0);  // no key: nodes are below 2**31
+
+  // The value slot of key k and whether it was just inserted (value -1 then: the caller sets it).
+  std::pair<int32_t*, bool> find_or_insert(uint64_t k) {
+    if (2 * (size_ + 1) > keys_.size()) grow();
+    size_t i = slot(k);
+    while (true) {
+      if (keys_[i] == k) return {&vals_[i], false};
+      if (keys_[i] == kEmpty) {
+        keys_[i] = k;
+        vals_[i] = -1;
+        ++size_;
+        return {&vals_[i], true};
+      }
+      i = (i + 1) & (keys_.size() - 1);
+    }
+  }
+
+ private:
+  size_t slot(uint64_t k) const {  // Fibonacci hashing: the top bits of k times 2**64 / golden ratio
+    return static_cast<size_t>((k * 0x9E3779B97F4A7C15ull) >> shift_);
+  }
+
+  void grow() {
+    std::vector<uint64_t> keys(keys_.empty() ? 1024 : 2 * keys_.size(), kEmpty);
+    std::vector<int32_t> vals(keys.size(), -1);
+    keys_.swap(keys);
+    vals_.swap(vals);
+    shift_ = 64 - __builtin_ctzll(keys_.size());
+    size_ = 0;
+    for (size_t j = 0; j < keys.size(); ++j)
+      if (keys[j] != kEmpty) *find_or_insert(keys[j]).first = vals[j];
+  }
+
+  std::vector<uint64_t> keys_;
+  std::vector<int32_t> vals_;
+  size_t size_ = 0;
+  int shift_ = 64;
+};
 
 class RequestSuffixIndex {
  public:
@@ -117,10 +162,10 @@ class RequestSuffixIndex {
   }
 
   int32_t child_or_new(int32_t node, int64_t token) {
-    auto [it, inserted] = edges_.try_emplace(key(node, token), 0);
-    if (!inserted) return it->second;
+    auto [value, inserted] = edges_.find_or_insert(key(node, token));
+    if (!inserted) return *value;
     int32_t child = static_cast<int32_t>(count_.size());
-    it->second = child;
+    *value = child;
     count_.push_back(0);
     seq_.push_back(-1);
     kids_.emplace_back();
@@ -187,7 +232,7 @@ class RequestSuffixIndex {
   std::vector<int64_t> count_;
   std::vector<int64_t> seq_;
   std::vector<std::vector<std::pair<int64_t, int32_t>>> kids_;
-  std::unordered_map<uint64_t, int32_t> edges_;
+  EdgeMap edges_;
   std::vector<int32_t> active_;  // active_[i]: the node of the sequence's suffix of length i
   int64_t num_nodes_ = 0;
   int64_t num_indexed_ = 0;

@@ -3,20 +3,23 @@
 SuffixDecoding (Oliaro et al. 2024) lets a match of ``p`` tokens draft ``α p`` tokens: a long match
 repeats, a short one may not. How far a short match's continuation is accepted depends on the text, and
 whether a draft that may be rejected is worth its verification row depends on what a row costs on this
-machine. Measured on SmolLM2-135M (greedy, suffix decoding drafting 4 after every match; 18 multi-turn
-chats and 39 Spec-Bench questions): after a one-token match the first draft was accepted 17-21 % of the
-time, all four 5 %, alike on both workloads; a verification row cost 1.3 % of a bfloat16 step and 6.4 %
-of a float32 one (the engine's profiled step costs, batch 1). So α alone drafts too little for bfloat16
-(factor 1) or too much for float32 (factor 4); this rule cuts the chain where a draft stops paying.
+machine. Measured on SmolLM2-135M (greedy, suffix decoding drafting 4 after every match; 6 multi-turn
+conversations of 3 turns and 39 Spec-Bench questions): after a one-token match the first draft was
+accepted 17-21 % of the time, all four 5 %, alike on both workloads; a verification row cost 1.3 % of
+a bfloat16 step and 6.4 % of a float32 one (the engine's profiled step costs, batch 1). So α alone
+drafts too little for bfloat16 (factor 1) or too much for float32 (factor 4); this rule cuts the chain
+where a draft stops paying.
 
-Rule (per engine, chains only):
+Rule (chains only):
 
 - Hindsight counts per match-length bucket ``b = min(p, MAX_MATCH_BUCKET)`` and draft position ``j``:
   how often draft ``j`` was verified with every draft before it accepted (``reached``), and how often it
-  was accepted. ``α̂(b, j) = (accepted + 1) / (reached + 2)`` (Laplace's rule: one half before any
-  evidence), and the chance that draft ``j`` is accepted is ``A(b, j) = α̂(b, 1) · … · α̂(b, j)``.
-- A chain keeps its drafts while ``A(b, j) >= θ`` (always at least one: its first draft's counts keep
-  coming, so a cut can reopen).
+  was accepted. Position ``j``'s rate pooled over the buckets, ``ᾱ(j) = (Σ accepted + 1) / (Σ reached +
+  2)`` (Laplace's rule), is the prior of each bucket's: ``α̂(b, j) = (accepted + 2 ᾱ(j)) / (reached +
+  2)``, and the chance that draft ``j`` is accepted is ``A(b, j) = α̂(b, 1) · … · α̂(b, j)``.
+- A chain keeps its drafts while ``A(b, j) >= θ`` (always at least one). A position a bucket never
+  reaches keeps learning through the pooled prior: the buckets of longer matches reach it, so a cut
+  reopens when they accept there.
 - Break-even ``θ``: at batch 1 a step of ``T`` seconds commits ``E`` tokens on average; one more draft
   adds ``A`` expected tokens and ``r · T₁`` seconds (``r``: a verification row's cost as a fraction of a
   one-token step ``T₁``), which raises tokens per second iff ``A > r · E · T₁ / T ≈ r · E``. With
@@ -25,9 +28,18 @@ Rule (per engine, chains only):
   mean committed tokens per verified step (a prior of 2 tokens weighing one step). A number is ``θ``
   itself; 0 keeps every draft (α p alone).
 
-The cut depends on committed tokens and earlier verifications only, before the step's drafts are
-verified, so the output distribution is unchanged; it changes which drafts are proposed (speed), and
-with it the engine-wide counts depend on the order requests ran in.
+The counts are the drafter's, over every request (:attr:`AcceptanceDraftLength.shared`), except for a
+request with a seed (``SamplingParams.seed``), which learns from its own chains alone
+(:class:`AcceptanceCounts` of its own, from the same prior): a sampled request draws one random number
+per draft, so its tokens would otherwise depend on the requests that ran before it. A seeded request
+thus draws the same tokens alone or in any batch, in one process and, once the step costs are cached
+(:mod:`specdec.engine.cost_profile`), across processes on one machine: the guarantee the speculation
+policies give in their frozen mode. The cut depends on committed tokens and earlier verifications only,
+before the step's drafts are verified, so the output distribution is unchanged.
+
+The break-even is batch 1's: with many requests in a step a row costs less of the step, so the cut is
+then conservative (it drafts less than a batch-wide optimum would; the speculation policy ``"goodput"``
+weighs depth against the batch's cost).
 """
 
 from __future__ import annotations
@@ -61,6 +73,58 @@ def row_cost(step_s: dict[int, float], num_speculative_tokens: int) -> float:
     return max(0.0, (step_s[n] - step_s[base]) / ((n - base) * step_s[base]))
 
 
+class AcceptanceCounts:
+    """Hindsight counts of verified chains by match-length bucket and draft position.
+
+    Attributes:
+        reached, accepted: ``[MAX_MATCH_BUCKET + 1][k + 1]`` (index 0 of each unused): how often draft
+            ``j`` after a match in bucket ``b`` was verified with every draft before it accepted, and how
+            often it was accepted.
+        steps, tokens: verified chains, and the tokens they committed (accepted drafts plus one).
+    """
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.k = num_speculative_tokens
+        self.reached = [[0] * (self.k + 1) for _ in range(MAX_MATCH_BUCKET + 1)]
+        self.accepted = [[0] * (self.k + 1) for _ in range(MAX_MATCH_BUCKET + 1)]
+        self.steps = 0
+        self.tokens = 0
+
+    def observe(self, match_length: int, num_drafts: int, num_accepted: int) -> None:
+        """Count a verified chain: ``num_drafts`` proposed after a match of ``match_length`` tokens, the
+        first ``num_accepted`` accepted."""
+        if num_drafts <= 0:
+            return
+        b = _bucket(match_length)
+        for j in range(1, min(num_drafts, self.k) + 1):
+            if j > num_accepted + 1:
+                break
+            self.reached[b][j] += 1
+            self.accepted[b][j] += j <= num_accepted
+        self.steps += 1
+        self.tokens += num_accepted + 1
+
+    def acceptance(self, match_length: int) -> list[float]:
+        """``A(b, j)`` for ``j = 1 .. k``: the estimated chance that the j-th draft after a match of
+        ``match_length`` tokens is accepted (see the module docstring)."""
+        b = _bucket(match_length)
+        out, a = [], 1.0
+        for j in range(1, self.k + 1):
+            pooled = (sum(row[j] for row in self.accepted) + 1) / (sum(row[j] for row in self.reached) + 2)
+            a *= (self.accepted[b][j] + 2 * pooled) / (self.reached[b][j] + 2)
+            out.append(a)
+        return out
+
+    @property
+    def mean_tokens(self) -> float:
+        """``Ê``: committed tokens per verified chain, with a prior of 2 tokens weighing one chain."""
+        return (self.tokens + PRIOR_TOKENS_PER_STEP * PRIOR_STEPS) / (self.steps + PRIOR_STEPS)
+
+
+def _bucket(match_length: int) -> int:
+    return min(max(match_length, 0), MAX_MATCH_BUCKET)
+
+
 class AcceptanceDraftLength:
     """Chooses how many of a copying drafter's chain drafts to propose, from the acceptance earlier
     drafts after matches of the same length had (see the module docstring for the rule and its source).
@@ -73,8 +137,8 @@ class AcceptanceDraftLength:
     Attributes:
         row_cost: ``r``, a verification row's cost over a one-token step (None until
             :meth:`set_step_costs`).
-        reached, accepted: ``[MAX_MATCH_BUCKET + 1][k + 1]`` counts by match-length bucket and draft
-            position (index 0 of each unused).
+        shared: the counts of every request without a seed (:class:`AcceptanceCounts`); a seeded request
+            keeps its own (:meth:`new_counts`).
     """
 
     def __init__(self, threshold: float | str, num_speculative_tokens: int) -> None:
@@ -82,10 +146,11 @@ class AcceptanceDraftLength:
         self.fixed = 0.0 if self.auto else float(threshold)
         self.k = num_speculative_tokens
         self.row_cost: float | None = None
-        self.reached = [[0] * (self.k + 1) for _ in range(MAX_MATCH_BUCKET + 1)]
-        self.accepted = [[0] * (self.k + 1) for _ in range(MAX_MATCH_BUCKET + 1)]
-        self.steps = 0
-        self.tokens = 0
+        self.shared = AcceptanceCounts(num_speculative_tokens)
+
+    def new_counts(self) -> AcceptanceCounts:
+        """Empty counts (a seeded request's own)."""
+        return AcceptanceCounts(self.k)
 
     @property
     def wants_step_costs(self) -> bool:
@@ -95,53 +160,30 @@ class AcceptanceDraftLength:
         """Take ``r`` from the target's profiled step costs (seconds by batched-token count)."""
         self.row_cost = row_cost(step_s, self.k)
 
-    @property
-    def threshold(self) -> float:
-        """θ: the smallest chance of acceptance a draft is proposed at."""
+    def threshold(self, counts: AcceptanceCounts | None = None) -> float:
+        """θ: the smallest chance of acceptance a draft is proposed at (``counts``: whose ``Ê``; the
+        shared counts when None)."""
         if not self.auto:
             return self.fixed
         if self.row_cost is None:
             return 0.0
-        mean_tokens = (self.tokens + PRIOR_TOKENS_PER_STEP * PRIOR_STEPS) / (self.steps + PRIOR_STEPS)
-        return self.row_cost * mean_tokens
+        return self.row_cost * (counts or self.shared).mean_tokens
 
-    def acceptance(self, match_length: int) -> list[float]:
-        """``A(b, j)`` for ``j = 1 .. k``: the estimated chance that the j-th draft after a match of
-        ``match_length`` tokens is accepted."""
-        b = min(max(match_length, 0), MAX_MATCH_BUCKET)
-        out, a = [], 1.0
-        for j in range(1, self.k + 1):
-            a *= (self.accepted[b][j] + 1) / (self.reached[b][j] + 2)
-            out.append(a)
-        return out
-
-    def length(self, match_length: int, num_drafts: int) -> int:
+    def length(self, match_length: int, num_drafts: int, counts: AcceptanceCounts | None = None) -> int:
         """Drafts to keep of a chain of ``num_drafts`` after a match of ``match_length`` tokens: those
-        whose chance of acceptance is at least θ, at least one (0 only for an empty chain)."""
-        theta = self.threshold
+        whose chance of acceptance (from ``counts``, the shared counts when None) is at least θ, at least
+        one (0 only for an empty chain)."""
+        counts = counts or self.shared
+        theta = self.threshold(counts)
         if num_drafts <= 1 or theta <= 0:
             return num_drafts
         keep = 1
-        for j, a in enumerate(self.acceptance(match_length)[:num_drafts], start=1):
+        for j, a in enumerate(counts.acceptance(match_length)[:num_drafts], start=1):
             if a >= theta:
                 keep = j
             else:
                 break
         return keep
-
-    def observe(self, match_length: int, num_drafts: int, num_accepted: int) -> None:
-        """Count a verified chain: ``num_drafts`` proposed after a match of ``match_length`` tokens, the
-        first ``num_accepted`` accepted."""
-        if num_drafts <= 0:
-            return
-        b = min(max(match_length, 0), MAX_MATCH_BUCKET)
-        for j in range(1, min(num_drafts, self.k) + 1):
-            if j > num_accepted + 1:
-                break
-            self.reached[b][j] += 1
-            self.accepted[b][j] += j <= num_accepted
-        self.steps += 1
-        self.tokens += num_accepted + 1
 
 
 def check_threshold(value: object, field: str) -> str | None:

@@ -50,7 +50,7 @@ from typing import Any
 from kernels import suffix_index
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
-from specdec.drafters.draft_length import AcceptanceDraftLength, check_threshold
+from specdec.drafters.draft_length import AcceptanceCounts, AcceptanceDraftLength, check_threshold
 from specdec.drafters.draft_stats import DraftCounts
 from specdec.drafters.registry import register_drafter
 from specdec.drafters.suffix_tree import (
@@ -81,7 +81,8 @@ def check_suffix_config(config: SpeculativeConfig) -> None:
     Raises:
         ConfigError: naming the field: ``suffix_max_match`` not an integer in [1, 64],
             ``suffix_min_token_prob`` not a number in [0, 1], ``suffix_spec_factor`` not a number > 0,
-            ``suffix_accept_threshold`` neither "auto" nor a number in [0, 1], ``suffix_cache_max_nodes``
+            ``suffix_accept_threshold`` neither "auto" nor a number in [0, 1] (or a number with a
+            token tree), ``suffix_cache_max_nodes``
             not an integer >= 0, ``suffix_share_across_requests`` not a bool.
     """
     m = config.suffix_max_match
@@ -96,6 +97,11 @@ def check_suffix_config(config: SpeculativeConfig) -> None:
     message = check_threshold(config.suffix_accept_threshold, "suffix_accept_threshold")
     if message is not None:
         raise ConfigError(message)
+    if config.tree is not None and config.suffix_accept_threshold != "auto":
+        raise ConfigError(
+            "suffix_accept_threshold cuts chains; token trees keep SuffixDecoding's budget alone "
+            f"(tree={config.tree!r}): leave it at 'auto'"
+        )
     n = config.suffix_cache_max_nodes
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ConfigError(f"suffix_cache_max_nodes must be an integer >= 0, got {n!r}")
@@ -125,7 +131,8 @@ class SuffixDrafter(DrafterBase):
             not share (``suffix_share_across_requests`` False, the default).
         num_local_drafts, num_global_drafts: proposals taken from a request's own trie / the global one.
         length_rule: the chain cut (:class:`~specdec.drafters.draft_length.AcceptanceDraftLength`: its
-            counts by match length and draft position, its threshold), or None for trees.
+            threshold and the shared counts by match length and draft position; a seeded request keeps
+            counts of its own), or None for trees.
         counts: each request's figures in ``request.drafter_metrics["suffix"]``
             (``RequestOutput.metrics["drafter"]``, the keys the hybrid reports per member:
             :class:`~specdec.drafters.draft_stats.MemberStats`) when it drafts alone (``method="suffix"``;
@@ -146,6 +153,7 @@ class SuffixDrafter(DrafterBase):
             else AcceptanceDraftLength(config.suffix_accept_threshold, config.num_speculative_tokens)
         )
         self._proposed: dict[str, int] = {}  # request id -> its latest chain's match length
+        self._own_counts: dict[str, AcceptanceCounts] = {}  # a seeded request's own (see draft_length)
         # Deep enough to draft k tokens below the longest match.
         self.depth = self.max_match + config.num_speculative_tokens
         self.cache = (
@@ -213,7 +221,8 @@ class SuffixDrafter(DrafterBase):
         if own is not None and (best is None or own[2] >= best.score):  # ties: the request's own text
             best = Draft(*own)
         if best is not None and self.length_rule is not None:
-            best.token_ids = best.token_ids[: self.length_rule.length(best.match_length, len(best.token_ids))]
+            keep = self.length_rule.length(best.match_length, len(best.token_ids), self._counts(request))
+            best.token_ids = best.token_ids[:keep]
         if best is not None:
             if best.source >= 0 and self.cache is not None:
                 self.cache.touch(best.source)
@@ -221,6 +230,16 @@ class SuffixDrafter(DrafterBase):
             else:
                 self.num_local_drafts += 1
         return best
+
+    def _counts(self, request: Request) -> AcceptanceCounts | None:
+        """The chain cut's counts for ``request``: its own when it has a seed (its tokens then do not
+        depend on other requests), else None (the drafter's shared counts)."""
+        if self.length_rule is None or request.sampling_params.seed is None:
+            return None
+        own = self._own_counts.get(request.request_id)
+        if own is None:
+            own = self._own_counts[request.request_id] = self.length_rule.new_counts()
+        return own
 
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
         """One proposal per input (empty where ``max_drafts`` is 0: nothing is indexed then). A drafting
@@ -257,6 +276,8 @@ class SuffixDrafter(DrafterBase):
         global cache when requests share."""
         self.states.reset(request)
         self._proposed.pop(request.request_id, None)
+        if request.status.finished:  # preempted: a seeded request keeps what its chains taught it
+            self._own_counts.pop(request.request_id, None)
         if self.counts is not None and request.status.finished:
             self.counts.finished(request)
         if (
@@ -282,6 +303,6 @@ class SuffixDrafter(DrafterBase):
         the verified chain's match length) and the request's counts."""
         match_length = self._proposed.pop(request.request_id, None)
         if self.length_rule is not None and match_length is not None:
-            self.length_rule.observe(match_length, num_drafts, num_accepted)
+            (self._counts(request) or self.length_rule.shared).observe(match_length, num_drafts, num_accepted)
         if self.counts is not None:
             self.counts.verified(request, num_drafts, num_accepted)
