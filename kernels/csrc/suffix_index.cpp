@@ -4,8 +4,8 @@
 //
 // Why: in Python, indexing one token walks up to max_depth nodes (20 with the defaults: suffix_max_match
 // 16 + 4 drafts), ~4.5 us a token at depth 24 for a 200-token prompt and ~7 us at 32k tokens, and drafting
-// from the trie ~3.5 us a step on text with repeats; here ~1.2 us (~4.6 us at 32k tokens, where the edge
-// map outgrows the caches), ~0.4 us, and ~113 bytes a node instead of ~270 (figures in
+// from the trie ~3.5 us a step on text with repeats; here ~0.8-1.2 us (~2.8 us at 32k tokens, where the
+// edge table outgrows the caches), ~0.4 us, and ~125 bytes a node instead of ~270 (figures in
 // docs/suffix_decoding.md; tests/kernels/test_suffix_index.py checks the two give the same tries and drafts).
 //
 // Nodes are integer ids (the root is 0): count (occurrences of the node's string, truncated at max_depth),

@@ -22,7 +22,7 @@ below ``suffix_min_token_prob`` are not drafted. A chain is then cut where its d
 matches of the same length had, against what a verification row costs on this machine.
 
 A request's own trie is the C++ index of :mod:`kernels.suffix_index` where the CPU kernels are built
-(~1.2 µs a token to grow a 200-token prompt, ~4.6 at 32k tokens; ~113 bytes a node), else its Python
+(~0.8-1.2 µs a token to grow a 200-token prompt, ~2.8 at 32k tokens; ~125 bytes a node), else its Python
 reference (:class:`~specdec.drafters.suffix_tree.RequestIndex`: the same drafts; ~4.5 and ~7 µs a token,
 ~270 bytes a node in CPython 3.11, measured with tracemalloc); the global cache is the Python trie.
 

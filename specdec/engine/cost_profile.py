@@ -3,7 +3,8 @@
 Policies that weigh drafts against time (``"goodput"``, ``"ucb"``) ask for it by setting
 ``wants_step_costs`` (:class:`~specdec.policies.base.PolicyBase`); before such a policy's first decision
 the engine hands it :func:`step_costs` (``policy.set_step_costs``), measured here or loaded from the
-cache.
+cache. A drafter may ask the same way (suffix decoding's chain cut, :mod:`specdec.drafters.draft_length`:
+``drafter.set_step_costs`` before its first draft).
 
 Profile: for each token count ``T`` (powers of two up to the largest speculative step the scheduler can
 form, ``min(max_num_seqs, 32) × (num_draft_slots + 1)`` capped by ``max_num_batched_tokens``, one past
