@@ -229,30 +229,15 @@ def _llm(setup, spec: dict) -> LLM:
 # Trees keep SuffixDecoding's budget of 1 × the match length: the tree control's power (p < 1e-6) was
 # established with it (with a budget of 4 × it read p = 4e-6 once). "suffix-chain-cut" cuts chains where
 # a draft's estimated acceptance falls below 0.35 (:mod:`specdec.drafters.draft_length`): chains of 1-3.
+TREE = dict(suffix_min_token_prob=0.0, suffix_spec_factor=1.0)
 DIST_CASES = {
     "suffix-chain": _spec("suffix", False, True, k=2, suffix_cache_max_nodes=400),
     "suffix-chain-cut": _spec(
         "suffix", False, True, k=3, suffix_cache_max_nodes=400, suffix_accept_threshold=0.35
     ),
-    "suffix-tree": _spec(
-        "suffix",
-        True,
-        True,
-        k=2,
-        suffix_cache_max_nodes=400,
-        suffix_min_token_prob=0.0,
-        suffix_spec_factor=1.0,
-    ),
+    "suffix-tree": _spec("suffix", True, True, k=2, suffix_cache_max_nodes=400, **TREE),
     "hybrid-chain": _spec("hybrid", False, True, k=2, suffix_cache_max_nodes=400),
-    "hybrid-tree": _spec(
-        "hybrid",
-        True,
-        True,
-        k=2,
-        suffix_cache_max_nodes=400,
-        suffix_min_token_prob=0.0,
-        suffix_spec_factor=1.0,
-    ),
+    "hybrid-tree": _spec("hybrid", True, True, k=2, suffix_cache_max_nodes=400, **TREE),
 }
 
 

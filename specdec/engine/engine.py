@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -310,12 +310,7 @@ class LLMEngine:
             return
         self._policy_prepared, self._policy_learns = policy, True
         if getattr(policy, "wants_step_costs", False):
-            if self._step_costs is None:
-                self._step_costs = step_costs(self)
-            try:
-                policy.set_step_costs(dict(self._step_costs))
-            except Exception as e:  # a plug-in's fault: it decides without the profile
-                logger.warning("the speculation policy's set_step_costs raised %s: %s", type(e).__name__, e)
+            self._give_step_costs(policy, "speculation policy")
             set_draft_costs = getattr(policy, "set_draft_costs", None)
             if set_draft_costs is not None:
                 if self._draft_costs is None:
@@ -335,12 +330,17 @@ class LLMEngine:
         if drafter is None or self._drafter_prepared or not getattr(drafter, "wants_step_costs", False):
             return
         self._drafter_prepared = True
+        self._give_step_costs(drafter, "drafter")
+
+    def _give_step_costs(self, receiver: Any, what: str) -> None:
+        """Profile the target's step costs once per engine (or load them from the cache) and hand a copy
+        to ``receiver.set_step_costs``; a plug-in that raises goes on without them (logged)."""
         if self._step_costs is None:
             self._step_costs = step_costs(self)
         try:
-            drafter.set_step_costs(dict(self._step_costs))
-        except Exception as e:  # a plug-in's fault: it drafts without the profile
-            logger.warning("the drafter's set_step_costs raised %s: %s", type(e).__name__, e)
+            receiver.set_step_costs(dict(self._step_costs))
+        except Exception as e:  # a plug-in's fault: it goes on without the profile
+            logger.warning("the %s's set_step_costs raised %s: %s", what, type(e).__name__, e)
 
     def _step(self) -> list[Request]:
         self.admit_compiled()
