@@ -291,9 +291,10 @@ class SpeculativeConfig:
             (SuffixDecoding's adaptive budget), capped by k and ``max_tree_nodes``.
         suffix_accept_threshold: "suffix" / "hybrid": a chain keeps its drafts while their estimated
             chance of acceptance (from earlier drafts after matches of the same length) is at least this
-            (at least one draft); ``"auto"`` (the default): the break-even from the target's profiled
-            step costs (a verification row's cost × mean tokens per step), a number in [0, 1] fixes it,
-            0 keeps every draft. See :mod:`specdec.drafters.draft_length`.
+            (at least one draft); ``"auto"`` (the default): the break-even from the target's step
+            costs (a verification row's cost × mean tokens per step; the row's cost profiled at
+            start-up, then learned from the engine's one-request steps for requests without a seed), a
+            number in [0, 1] fixes it, 0 keeps every draft. See :mod:`specdec.drafters.draft_length`.
         suffix_cache_max_nodes: "suffix" / "hybrid": node budget of the global suffix trie over earlier
             requests (least recently used requests evicted; ~270 bytes a node in CPython 3.11).
         suffix_share_across_requests: "suffix" / "hybrid": draft from earlier requests' prompts and

@@ -11,7 +11,13 @@ import torch
 from sampling.params import SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterContext, DraftInput
-from specdec.drafters.draft_length import MAX_MATCH_BUCKET, AcceptanceCounts, AcceptanceDraftLength, row_cost
+from specdec.drafters.draft_length import (
+    MAX_MATCH_BUCKET,
+    AcceptanceCounts,
+    AcceptanceDraftLength,
+    ObservedRowCost,
+    row_cost,
+)
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.request import Request
 
@@ -42,6 +48,54 @@ def test_auto_threshold_is_row_cost_times_mean_tokens_per_step():
     assert not fixed.wants_step_costs and fixed.threshold() == 0.3
 
 
+def test_the_observed_row_cost_is_a_rows_slope_over_a_one_row_step():
+    obs = ObservedRowCost()
+    for i in range(10):
+        obs.observe(1 + i % 5, 0.010 + 0.0005 * (1 + i % 5))
+    assert obs.row_cost is None  # fewer steps than ROW_COST_MIN_STEPS weigh
+    for i in range(30):
+        obs.observe(1 + i % 5, 0.010 + 0.0005 * (1 + i % 5))  # T(n) = 10 ms + 0.5 ms a row
+    assert obs.row_cost == pytest.approx(0.0005 / 0.0105)  # a row over a one-row step: 4.8 %
+    obs.observe(3, 0.5)  # a pause (garbage collection): left out
+    obs.observe(0, 0.01)  # no rows, no time: ignored
+    obs.observe(2, 0.0)
+    assert obs.row_cost == pytest.approx(0.0005 / 0.0105)
+    for i in range(640):  # rows now cost 1 ms: the line follows (old steps weigh 0.5 ** 10 by now)
+        obs.observe(1 + i % 5, 0.010 + 0.001 * (1 + i % 5))
+    assert obs.row_cost == pytest.approx(0.001 / 0.011, rel=0.01)
+    for i in range(640):  # every step 3× dearer for good (a long context): not a pause, learned
+        obs.observe(1 + i % 5, 0.030 + 0.003 * (1 + i % 5))
+    assert obs.row_cost == pytest.approx(0.003 / 0.033, rel=0.01)
+    for _ in range(400):  # then only two-row steps: no spread to fit, the last usable r stays
+        obs.observe(2, 0.040)
+    assert obs._line() is None and obs.row_cost == pytest.approx(0.003 / 0.033, rel=0.01)
+    flat = ObservedRowCost()
+    for _ in range(40):
+        flat.observe(5, 0.012)  # every step the same rows: no slope to fit
+    assert flat.row_cost is None
+    cheaper = ObservedRowCost()
+    for i in range(60):
+        cheaper.observe(1 + i % 2, 0.012 - 0.001 * (i % 2))  # more rows, less time (noise): r is 0
+    assert cheaper.row_cost == 0.0
+
+
+def test_requests_without_a_seed_take_the_observed_row_cost_and_seeded_ones_the_profile():
+    rule = AcceptanceDraftLength("auto", 4)
+    rule.set_step_costs({1: 0.010, 5: 0.012})  # profiled r = 0.05
+    for i in range(40):
+        rule.observe_step_time(1 + i % 5, 0.010 + 0.002 * (1 + i % 5))  # observed r = 2 / 12
+    assert rule.threshold() == pytest.approx(2 / 12 * 2.0)  # Ê at its prior, 2 tokens a step
+    assert rule.threshold(rule.new_counts()) == pytest.approx(0.05 * 2.0)  # timing-free for seeded ones
+    before = AcceptanceDraftLength("auto", 4)
+    for i in range(40):
+        before.observe_step_time(1 + i % 5, 0.010)
+    assert before.threshold() == 0.0  # nothing is cut before the profile
+    fixed = AcceptanceDraftLength(0.3, 4)
+    for i in range(40):
+        fixed.observe_step_time(1 + i % 5, 0.010 + 0.002 * (1 + i % 5))
+    assert fixed.threshold() == 0.3 and fixed.observed.row_cost is None  # a number is θ itself
+
+
 def test_counts_follow_each_chain_as_far_as_it_was_verified():
     counts = AcceptanceCounts(4)
     counts.observe(1, 4, 1)  # the first accepted, the second rejected: the third and fourth never reached
@@ -51,6 +105,7 @@ def test_counts_follow_each_chain_as_far_as_it_was_verified():
     assert counts.accepted[MAX_MATCH_BUCKET][1:] == [1, 1, 1, 0]
     counts.observe(2, 0, 0)  # nothing verified: nothing counted
     assert counts.steps == 2 and sum(map(sum, counts.reached)) == 5
+    assert counts.reached_total[1:] == [2, 2, 1, 0] and counts.accepted_total[1:] == [2, 1, 1, 0]
 
 
 def test_a_chain_is_cut_where_its_estimated_acceptance_falls_below_the_threshold():

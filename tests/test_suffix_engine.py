@@ -132,6 +132,41 @@ def test_the_engine_hands_the_chain_cut_its_step_costs(setup, method):
     assert fixed.engine._step_costs is None and not fixed.engine.drafter.wants_step_costs
 
 
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_the_engine_hands_the_chain_cut_each_lone_decode_step(setup, method, caplog):
+    """Each decode step of a lone request reaches the drafter as (rows, seconds), the rows being 1 plus
+    the step's drafts: suffix decoding's observed row cost learns from them (through a hybrid too). A
+    drafter that raises there is not asked again, and the output is unchanged."""
+    common = dict(skip_tokenizer_init=True, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = _greedy(LLM(setup["target"], **common), PROMPTS[:1])
+    llm = LLM(setup["target"], speculative_config=_spec(method, False, False), **common)
+    drafter = llm.engine.drafter
+    suffix = drafter if method == "suffix" else drafter.members[0]
+    calls: list[tuple[int, float]] = []
+    observe = suffix.observe_step_time
+    suffix.observe_step_time = lambda n, s: calls.append((n, s)) or observe(n, s)
+    distinct = [1, 2, 3, 4, 5, 6, 7]  # no repeat: the prompt's step drafts nothing
+    llm.generate({"prompt_token_ids": distinct}, params)
+    stats = llm.engine.spec_stats
+    assert len(calls) == llm.engine.num_steps - 1  # every step but the prompt's
+    assert sum(n - 1 for n, _ in calls) == stats.num_draft_tokens > 0
+    assert all(1 <= n <= 4 and s > 0 for n, s in calls)
+    assert suffix.length_rule.observed._w > 0
+    calls.clear()
+    twins = llm.generate([{"prompt_token_ids": distinct}] * 2, params)  # every step with both
+    assert twins[0].outputs[0].token_ids == twins[1].outputs[0].token_ids and not calls
+
+    def broken(n: int, s: float) -> None:
+        raise RuntimeError("broken timer")
+
+    suffix.observe_step_time = broken
+    with caplog.at_level("WARNING"):
+        assert _greedy(llm, PROMPTS[:1]) == base
+        assert _greedy(llm, PROMPTS[:1]) == base
+    assert sum("observe_step_time raised RuntimeError" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_a_seeded_request_repeats_under_the_chain_cut(setup):
     """The cut's shared counts grow with every request, and a sampled request draws one number per draft:
     a seeded request learns from its own chains alone, so it draws the same tokens alone, after other

@@ -127,7 +127,11 @@ class Drafter(Protocol):
     after each :meth:`propose`, the seconds and tokens of its catch-up (forwards, their share of a
     forward, or indexing) in ``catch_up_s`` / ``catch_up_tokens``; a drafter that reads and writes
     the target's own KV tensors (the quantized self-drafter) takes them in ``bind_target_kv(runner)``,
-    called once after :meth:`bind_kv`, when the target's runner exists.
+    called once after :meth:`bind_kv`, when the target's runner exists. A drafter that prices its drafts
+    (suffix decoding's chain cut) takes the target's profiled step costs in ``set_step_costs(step_s)``
+    when its ``wants_step_costs`` is true, and each decode step of a lone request (no prefill) in
+    ``observe_step_time(num_tokens, seconds)``: the step's rows and its seconds from the forward to the
+    commit.
     """
 
     uses_hidden_states: bool

@@ -267,6 +267,13 @@ class HybridDrafter(DrafterBase):
             if getattr(m, "wants_step_costs", False):
                 m.set_step_costs(step_s)
 
+    def observe_step_time(self, num_tokens: int, seconds: float) -> None:
+        """A decode step of one request, handed to the members that learn from step times."""
+        for m in self.members:
+            observe = getattr(m, "observe_step_time", None)
+            if observe is not None:
+                observe(num_tokens, seconds)
+
     def draft_backlog(self, request: Request, num_new_tokens: int) -> int:
         """The longest member backlog for ``request`` (what its next draft reads first: the learned
         member's head, suffix decoding's trie), or 0."""

@@ -298,6 +298,13 @@ class SuffixDrafter(DrafterBase):
         if self.length_rule is not None:
             self.length_rule.set_step_costs(step_s)
 
+    def observe_step_time(self, num_tokens: int, seconds: float) -> None:
+        """A decode step of one request: ``num_tokens`` rows in ``seconds`` (the engine calls it after
+        each such step); the chain cut's observed row cost
+        (:meth:`~specdec.drafters.draft_length.AcceptanceDraftLength.observe_step_time`)."""
+        if self.length_rule is not None:
+            self.length_rule.observe_step_time(num_tokens, seconds)
+
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Nothing to roll back (the tries only ever hold committed tokens); the chain cut's counts (by
         the verified chain's match length) and the request's counts."""

@@ -143,6 +143,7 @@ class LLMEngine:
         self._policy_disabled: set[str] = set()  # requests whose policy failed: no drafts for them
         self._policy_prepared: SpeculationPolicy | None = None  # the policy that got the step costs
         self._policy_learns = True  # False once the policy's observe_step raised
+        self._drafter_times_steps = True  # False once the drafter's observe_step_time raised
         self._drafter_prepared = False  # the drafter got the step costs it wants (or wants none)
         self._step_costs: dict[int, float] | None = None  # the target's profiled step costs
         # A draft model's profile: seconds per draft position by drafting rows, catch-up seconds per token.
@@ -395,6 +396,8 @@ class LLMEngine:
         target_s = time.perf_counter() - t0
         if self.spec_stats is not None:
             self.spec_stats.verify_time_s += target_s
+        if self._drafter_times_steps and len(scheduled) == 1:
+            self._drafter_step_time(scheduled[0], target_s)
         if self.policy is not None and self._policy_learns:
             # Catch-up forwards over long backlogs (a draft model resuming) are a one-off, not a cost
             # per draft position: the policy learns drafting seconds without them, and their cost per
@@ -411,6 +414,20 @@ class LLMEngine:
                 (catch_up_s, catch_up_tokens),
             )
         return failed + updated
+
+    def _drafter_step_time(self, s: ScheduledRequest, target_s: float) -> None:
+        """Hand a drafter with ``observe_step_time`` a lone request's decode step (rows, seconds); a
+        drafter that raises is not asked again (logged)."""
+        observe = getattr(self.drafter, "observe_step_time", None)
+        if observe is None or s.num_new_tokens != 1 or not s.sample:
+            return
+        if s.request.status is RequestStatus.FINISHED_ERROR:  # failed in the step: not a step's cost
+            return
+        try:
+            observe(1 + len(s.draft_token_ids), target_s)
+        except Exception as e:  # a plug-in's fault: the step and the request are unaffected
+            self._drafter_times_steps = False
+            logger.warning("the drafter's observe_step_time raised %s: %s", type(e).__name__, e)
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target forward: logits ``[R, vocab_size]`` of the sampling rows and, when the drafter reads
