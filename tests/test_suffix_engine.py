@@ -167,16 +167,19 @@ def test_the_engine_hands_the_chain_cut_each_lone_decode_step(setup, method, cap
     assert sum("observe_step_time raised RuntimeError" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_seeded_request_repeats_under_the_chain_cut(setup):
+@pytest.mark.parametrize("method, threshold", [("suffix", 0.2), ("suffix", "auto"), ("hybrid", "auto")])
+def test_a_seeded_request_repeats_under_the_chain_cut(setup, method, threshold):
     """The cut's shared counts grow with every request, and a sampled request draws one number per draft:
-    a seeded request learns from its own chains alone, so it draws the same tokens alone, after other
-    requests, and beside them (k = 3, θ = 0.2). Learning from the shared counts instead, the same request
-    gave 2 different outputs in these 4 repeats (and 3 with ``"auto"``)."""
+    a seeded request learns from its own chains alone (with ``"auto"``, at the profiled row cost, not
+    the one observed from step times), and in a hybrid chooses its member without the engine-wide
+    table, so it draws the same tokens alone, after other requests, and beside them (k = 3). Learning
+    from the shared counts instead, the same request gave 2 different outputs in these 4 repeats (and 3
+    with ``"auto"``)."""
     llm = LLM(
         setup["target"],
         skip_tokenizer_init=True,
         block_size=4,
-        speculative_config=_spec("suffix", False, False, suffix_accept_threshold=0.2),
+        speculative_config=_spec(method, False, False, suffix_accept_threshold=threshold),
     )
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)
     others = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
@@ -187,7 +190,11 @@ def test_a_seeded_request_repeats_under_the_chain_cut(setup):
     beside = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [seeded] + [others] * 4)
     outs.add(tuple(beside[0].outputs[0].token_ids))
     assert len(outs) == 1 and len(next(iter(outs))) == 40
-    assert llm.engine.drafter.length_rule.shared.steps > 0 and not llm.engine.drafter._own_counts
+    drafter = llm.engine.drafter
+    suffix = drafter if method == "suffix" else drafter.members[0]
+    assert suffix.length_rule.shared.steps > 0 and not suffix._own_counts
+    if method == "hybrid":
+        assert any(drafter.calibration[0].values())  # the table other requests choose with exists
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,10 @@ calibration table over every request's steps), and estimates a proposal's accept
 short acceptances keep its running score higher. On Spec-Bench (26 questions, greedy, SmolLM2) the
 EAGLE-3 + suffix + n-gram hybrid's τ went from 1.82 to 1.86, and from 1.84 to 1.92 on 26 other questions
 (docs/suffix_decoding.md). The table pools acceptance counts across requests (never their text): a
-request's member choice, and so its speed but never its output, depends on the requests before it.
+request's member choice, and so its speed, depends on the requests before it; its output distribution
+never does. A request with a seed (``SamplingParams.seed``) chooses without the table (a sampled request
+draws one random number per draft, so its tokens would depend on the requests before it), as suffix
+decoding's chain cut gives a seeded request counts of its own.
 A proposal that every token committed so far confirms stays open: as later steps commit more tokens its
 hindsight score grows, and the growth is added to the running score with the weight that score's term
 has by then (a step commits only the chosen member's accepted drafts and one more token, so without this
@@ -192,6 +195,7 @@ class _HybridState:
     pending: _Step | None = None  # scored at the next proposal (or when the request ends)
     history: list[_Step] = field(default_factory=list)  # for the oracle, scored at the end
     open: list[_Open] = field(default_factory=list)  # each closes within k steps: at most members x k
+    seeded: bool = False  # the request has a seed: its choices ignore the engine-wide table
 
 
 @register_drafter(
@@ -286,7 +290,10 @@ class HybridDrafter(DrafterBase):
         state = self.states.get(request.request_id)
         if state is None:
             state = self.states[request.request_id] = _HybridState(
-                [None] * len(self.members), [{} for _ in self.members], [{} for _ in self.members]
+                [None] * len(self.members),
+                [{} for _ in self.members],
+                [{} for _ in self.members],
+                seeded=request.sampling_params.seed is not None,
             )
             request.drafter_metrics = {n: MemberStats() for n in self.names}
         return state
@@ -360,9 +367,10 @@ class HybridDrafter(DrafterBase):
         running score for ``b`` after its ``n`` proposals there, an exponential moving average worth
         ``m = (1 - DECAY^n) / (1 - DECAY)`` proposals (at most 3.3): ``(W c + m r) / (W + m)`` with ``W =``
         :data:`CALIBRATION_WEIGHT` (the engine-wide mean as a prior worth ``W`` proposals); ``r`` alone
-        before ``c`` exists; without either, the member's running score; else 0."""
+        before ``c`` exists; without either, the member's running score; else 0. A seeded request's
+        estimates leave ``c`` out: its choices, and so its tokens, then depend on its own history alone."""
         own = state.bucket_scores[member].get(bucket)
-        entry = self.calibration[member].get(bucket)
+        entry = None if state.seeded else self.calibration[member].get(bucket)
         if entry is not None and entry[1] >= MIN_CALIBRATION:
             calibrated = entry[0] / entry[1]
             if own is None:
