@@ -37,7 +37,8 @@ class CacheConfig:
         kv_cache_memory_bytes: memory budget for the pool when ``num_kv_blocks`` is None.
         kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` (one float32 scale per token and KV
             head; see :mod:`specdec.quantization.kv_cache`). A draft model's KV stays in its own dtype.
-        kv_huge_pages: on the CPU, allocate the target's pool on transparent huge pages
+        kv_huge_pages: on the CPU, allocate the target's pool on transparent huge pages, faulted in at
+            start-up as ``torch.zeros`` faults its memory, not by the steps that first write it
             (:func:`specdec.engine.huge_pages.zeros_on_huge_pages`; ``LLM`` sets it with its
             ``huge_pages``).
     """

@@ -23,7 +23,7 @@ in the C library, a kernel before 6.1) the memory stays on the pages it has and
 :attr:`HugePageStats.reason` says why; a window the kernel refuses (``EAGAIN``/``ENOMEM``: memory it
 cannot compact) is counted in ``refused_bytes``.
 
-The KV pool is not collapsed: the engine maps it fresh and advises it before its first write
+The KV pool is not collapsed: the engine maps it fresh, advises it and then writes it once, at start-up
 (:func:`zeros_on_huge_pages`, ``CacheConfig.kv_huge_pages``, set by the same ``huge_pages`` argument).
 
 Side effects, beyond the weights' pages: a window reaches past a weight's storage into whatever shares
@@ -166,13 +166,23 @@ def _errno() -> int:
     return ctypes.get_errno()
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on the CPU, in memory faulted onto huge pages as it is first
-    written: a fresh private anonymous mapping (the kernel's zero pages: nothing is written, copied or
-    collapsed at start-up, and only the part a run writes becomes resident), marked ``MADV_HUGEPAGE``,
-    the tensor starting at its first 2 MiB boundary. Under :data:`HUGE_PAGE` bytes, or where the platform
-    cannot ask (see :func:`collapse_tensors`), or the mapping fails, it is plain ``torch.zeros``; where
-    the kernel finds no free huge page a write faults in 4 KiB pages (never an error).
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = True) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU, in memory faulted onto huge pages: a fresh private
+    anonymous mapping, marked ``MADV_HUGEPAGE``, the tensor starting at its first 2 MiB boundary, and
+    with ``populate`` written with zeros once now, so that every page is faulted in here, as
+    ``torch.zeros`` faults its memory, and not by the first step that writes it. Under :data:`HUGE_PAGE`
+    bytes, or where the platform cannot ask (see :func:`collapse_tensors`), or the mapping fails, it is
+    plain ``torch.zeros``; where the kernel finds no free huge page a write faults in 4 KiB pages (never
+    an error). ``populate=False`` leaves the mapping to be faulted in as it is first written (only the
+    part a run writes becomes resident).
+
+    Why ``populate`` (the engine's pool): faulting a huge page in means zeroing 2 MiB, and on a virtual
+    machine whose memory the host backs lazily (this project's hosts), the first touch of guest memory
+    costs far more: ``madvise(MADV_POPULATE_WRITE)`` over a fresh 2 GiB mapping took 5.8 s, over a
+    recycled one 0.3 s. Left to the steps, a pool of 30 layers' K and V caches faults 60 huge pages
+    whenever the blocks handed out cross into a new 2 MiB of each cache: SmolLM2-135M bfloat16, 32
+    requests decoding, such a step took 360-400 ms against 31-34 ms, once every ~340 blocks (about 7 %
+    of the run's time until the whole pool had been touched; docs/concurrency.md, twenty-ninth session).
 
     For the KV pool (:func:`specdec.quantization.kv_cache.allocate_kv_caches`): a decode step gathers
     each request's blocks from every layer's cache, pages scattered over a pool of gigabytes; on 4 KiB
@@ -200,7 +210,10 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     offset = -start % HUGE_PAGE
     # Zeros already (a fresh anonymous mapping reads as zeros). The tensor keeps the mapping alive
     # (frombuffer holds the buffer); unmapped with the last view.
-    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
+    out = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
+    if populate:
+        out.zero_()  # faults every page in now (the same zeros)
+    return out
 
 
 def collapse_tensors(tensors: Iterable[torch.Tensor]) -> HugePageStats:
