@@ -149,7 +149,8 @@ class Drafter(Protocol):
     def observe(self, request: Request, start_position: int, hidden_states: torch.Tensor) -> None:
         """``hidden_states`` ``[n, hidden_size]``: the target's features at positions ``start_position ...
         start_position + n - 1`` of the request (committed tokens computed this step: a prefill chunk,
-        or the root and the accepted drafts of a verification), in order. Called only when
+        or the root and the accepted drafts of a verification), in order; often a view into the step's
+        features of every row (read it or keep it, never write it). Called only when
         ``uses_hidden_states``."""
         ...
 

@@ -71,9 +71,12 @@ def commit(
             return True
     engine.kv.cache_full_blocks(req)
     if hidden is not None and drafter is not None:
-        committed = list(range(rows_start, rows_start + s.num_new_tokens))
-        committed += [rows_start + s.num_new_tokens + n for n in accepted_nodes(result)]
-        drafter.observe(req, first_position, hidden[committed])
+        end = rows_start + s.num_new_tokens
+        if s.draft_tree is None:  # a chain's accepted drafts follow its new tokens: one view, no copy
+            drafter.observe(req, first_position, hidden[rows_start : end + result.num_accepted])
+        else:
+            committed = list(range(rows_start, end)) + [end + n for n in accepted_nodes(result)]
+            drafter.observe(req, first_position, hidden[committed])
     if drafter is not None:
         drafter.on_verified(req, num_drafts, result.num_accepted)
     return True
