@@ -142,6 +142,12 @@ class ObservedRowCost:
         return mean_t - b * mean_n, b
 
     @property
+    def weight(self) -> float:
+        """The counted steps' total weight (each step 1, halving every :data:`ROW_COST_HALF_LIFE` steps
+        after it); the line is fitted from :data:`ROW_COST_MIN_STEPS` on."""
+        return self._w
+
+    @property
     def row_cost(self) -> float | None:
         """``r`` in [0, 1]: from the line when it is usable (see :meth:`_line`), else the latest usable
         one; None before the line was ever usable."""
