@@ -582,3 +582,21 @@ def test_an_eagle_head_reports_its_catch_up_to_the_policy(random_setup, hybrid):
     # Every backlog granted was caught up and reported, in the steps that drafted.
     assert sum(b for _, _, b in policy.granted) == sum(n for n, _ in policy.catch_up) > 0
     assert all(s > 0 for n, s in policy.catch_up if n) and all(s == 0 for n, s in policy.catch_up if not n)
+
+
+def test_eagle_state_copies_step_views_into_its_own_rows():
+    """A request that never drafts appends a view of each step's features; every MAX_FEATURE_CHUNKS
+    chunks they become one tensor of its own (the steps' whole tensors are no longer held), with the
+    same rows at the same positions."""
+    from specdec.drafters.eagle import MAX_FEATURE_CHUNKS, _EagleState
+
+    state = _EagleState(num_computed=10, features_start=10)
+    steps = [torch.randn(8, 6) for _ in range(MAX_FEATURE_CHUNKS + 5)]  # each step: 8 rows, ours is row 3
+    for step in steps:
+        state.append(step[3:4])
+    assert len(state.features) == 1 + 5 and state.num_features == len(steps) == state.features_end - 10
+    own = state.features[0].untyped_storage().data_ptr()
+    assert all(own != s.untyped_storage().data_ptr() for s in steps)
+    assert state.features[0].shape == (MAX_FEATURE_CHUNKS, 6)
+    assert torch.equal(state.feature_rows(10, 10 + len(steps)), torch.stack([s[3] for s in steps]))
+    assert torch.equal(state.feature_rows(12, 14), torch.stack([steps[2][3], steps[3][3]]))

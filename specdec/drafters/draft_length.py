@@ -143,8 +143,9 @@ class ObservedRowCost:
 
     @property
     def weight(self) -> float:
-        """The counted steps' total weight (each step 1, halving every :data:`ROW_COST_HALF_LIFE` steps
-        after it); the line is fitted from :data:`ROW_COST_MIN_STEPS` on."""
+        """The counted steps' total weight (each counted step 1, halving every :data:`ROW_COST_HALF_LIFE`
+        counted steps after it; pauses left out neither count nor age it); the line is fitted from
+        :data:`ROW_COST_MIN_STEPS` on."""
         return self._w
 
     @property

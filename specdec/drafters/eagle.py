@@ -51,6 +51,9 @@ from specdec.model_runner import Segment, build_inputs, select_attention_backend
 from specdec.quantization.apply import quantize_linears
 from specdec.request import Request
 
+#: Feature chunks a request keeps before they are copied into one tensor (:meth:`_EagleState.append`).
+MAX_FEATURE_CHUNKS = 32
+
 
 @dataclass
 class _EagleState:
@@ -66,8 +69,13 @@ class _EagleState:
         return self.features_start + self.num_features
 
     def append(self, rows: torch.Tensor) -> None:
+        """Keep ``rows`` (often a view into a step's features of every row, which it keeps alive); every
+        :data:`MAX_FEATURE_CHUNKS` chunks they are copied into one tensor of their own, so a request that
+        seldom drafts holds its own rows, not the steps' whole tensors."""
         self.features.append(rows)
         self.num_features += rows.shape[0]
+        if len(self.features) >= MAX_FEATURE_CHUNKS:
+            self.features = [torch.cat(self.features)]
 
     def feature_rows(self, start: int, end: int) -> torch.Tensor:
         feats = torch.cat(self.features) if len(self.features) > 1 else self.features[0]

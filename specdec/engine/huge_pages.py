@@ -181,8 +181,9 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, populate: bo
     costs far more: ``madvise(MADV_POPULATE_WRITE)`` over a fresh 2 GiB mapping took 5.8 s, over a
     recycled one 0.3 s. Left to the steps, a pool of 30 layers' K and V caches faults 60 huge pages
     whenever the blocks handed out cross into a new 2 MiB of each cache: SmolLM2-135M bfloat16, 32
-    requests decoding, such a step took 360-400 ms against 31-34 ms, once every ~340 blocks (about 7 %
-    of the run's time until the whole pool had been touched; docs/concurrency.md, twenty-ninth session).
+    requests decoding 64 tokens each, two steps of each 64-step pass took 360-400 ms against 31-34 ms
+    (about a fifth of the pass's time), until the whole pool had been touched (docs/engine.md, huge
+    pages).
 
     For the KV pool (:func:`specdec.quantization.kv_cache.allocate_kv_caches`): a decode step gathers
     each request's blocks from every layer's cache, pages scattered over a pool of gigabytes; on 4 KiB
@@ -199,7 +200,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, populate: bo
     ):
         return torch.zeros(shape, dtype=dtype)
     # Private and anonymous (Python's default anonymous mapping is shared memory, which anonymous huge
-    # pages do not back): zero pages, none faulted in yet.
+    # pages do not back): the kernel's zero pages until written.
     try:
         buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:  # no address space for it: torch's allocator, and its error if it fails too
@@ -208,8 +209,8 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, populate: bo
         buf.madvise(mmap.MADV_HUGEPAGE)
     start = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
     offset = -start % HUGE_PAGE
-    # Zeros already (a fresh anonymous mapping reads as zeros). The tensor keeps the mapping alive
-    # (frombuffer holds the buffer); unmapped with the last view.
+    # It reads as zeros already (a fresh anonymous mapping); populating writes the same zeros. The tensor
+    # keeps the mapping alive (frombuffer holds the buffer); unmapped with the last view.
     out = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)
     if populate:
         out.zero_()  # faults every page in now (the same zeros)

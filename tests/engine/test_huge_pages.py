@@ -98,6 +98,11 @@ def test_the_kv_pool_goes_on_huge_pages_with_the_weights(tmp_path, monkeypatch):
         assert k_cache.untyped_storage().nbytes() >= 2 * HUGE_PAGE
         if on and not huge_pages._unavailable():
             assert k_cache.data_ptr() % HUGE_PAGE == 0  # our mapping, from a 2 MiB boundary
+            with open(huge_pages._THP + "enabled") as f:
+                madvise_mode = "[madvise]" in f.read()
+            huge = _huge_kib_at(k_cache.data_ptr())
+            if madvise_mode and huge is not None:  # written at build: resident before any step
+                assert huge * 1024 >= HUGE_PAGE
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
     assert outs[0] == outs[1] and all(len(o) == 12 for o in outs[0])
     with pytest.raises(ConfigError, match="kv_huge_pages must be a bool"):
