@@ -45,6 +45,8 @@ TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
   m.impl("silu_mul", &silu_mul);
+  // Each row's maximum and first index (kernels/csrc/cpu_max_rows.cpp; schema in kernels/cpu_max_rows.py).
+  m.impl("max_rows", &max_rows);
 }
 
 // A oneDNN-packed weight is an MkldnnCPU tensor, which sends the call to that key.

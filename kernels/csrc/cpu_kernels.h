@@ -36,6 +36,8 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool gemma);
 torch::Tensor rope(const torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+// cpu_max_rows.cpp
+std::tuple<torch::Tensor, torch::Tensor> max_rows(const torch::Tensor& x);
 // cpu_decode_stack.cpp
 void bind_decode_stack(pybind11::module& m);
 // RequestSuffixIndex, a request's own suffix trie for suffix decoding (suffix_index.cpp).
