@@ -97,7 +97,8 @@ def load_extension() -> Any | None:
         # The operators' schemas first: the module registers kernels for them when it loads.
         import kernels.cpu_gemv
         import kernels.cpu_gemv_int8
-        import kernels.cpu_layer_ops  # noqa: F401
+        import kernels.cpu_layer_ops
+        import kernels.cpu_max_rows  # noqa: F401
 
         sources = _sources()
         key = build_key()

@@ -13,16 +13,20 @@ with a NaN gives NaN and the index of its first NaN; ±inf compare as numbers (a
 index 0). Outputs equal the reference's exactly (values are elements of the row, indices integers).
 
 Used for float32 ``[rows, n]`` CPU tensors with contiguous rows, outside autograd, where the extension
-builds (:mod:`kernels.cpu_ext`); ``SPECDEC_CPU_MAX_ROWS=0`` or ``SPECDEC_FORCE_REFERENCE=1`` keeps the
-reference.
+builds (:mod:`kernels.cpu_ext`; the first call builds it, as the other CPU kernels' first calls do) with
+AVX-512; ``SPECDEC_CPU_MAX_ROWS=0`` or ``SPECDEC_FORCE_REFERENCE=1`` keeps the reference. Callers:
+the engine's processing of each step's rows and :func:`sampling.sampler.argmax_rows` (greedy rows of the
+rejection samplers, the drafters' greedy drafts, the exponential race of random draws).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels import cpu_gemv  # noqa: F401  (defines the specdec_cpu namespace: DEF before FRAGMENT)
-from kernels.cpu_ext import enabled
+from kernels.cpu_ext import enabled, load_extension
 
 __all__ = ["available", "max_rows", "max_rows_reference"]
 
@@ -38,8 +42,15 @@ def _max_rows_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def available() -> bool:
-    """Whether the kernel can be used here: not disabled and built (on the first call)."""
-    return enabled(DISABLE_ENV)
+    """Whether the kernel can be used here: not disabled, built (on the first call) and vectorised
+    (AVX-512: the scalar build is no faster than torch's reduction, so the reference runs there)."""
+    return enabled(DISABLE_ENV) and _vectorized()
+
+
+@functools.cache
+def _vectorized() -> bool:
+    ext = load_extension()
+    return ext is not None and bool(ext.max_rows_vectorized())
 
 
 def max_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +67,7 @@ def max_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x.dim() == 2
         and x.dtype == torch.float32
         and x.device.type == "cpu"
-        and x.shape[1] > 0
+        and 0 < x.shape[1] < 2**31
         and x.stride(1) == 1
         and not (torch.is_grad_enabled() and x.requires_grad)
         and not torch.compiler.is_compiling()

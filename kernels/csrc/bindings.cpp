@@ -85,6 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 codes [N, K] in the tile kernel's pair-major order (kernels/csrc/cpu_gemv_int8tiles.h)");
   m.def("has_int8_vnni", &has_int8_vnni, "whether int8 products use AVX512_VNNI (kernels/csrc/cpu_gemv_int8.cpp)");
   m.def("has_avx2", &specdec_cpu::has_avx2, "whether the kernels were compiled with AVX2 + FMA");
+  m.def("max_rows_vectorized", &max_rows_vectorized,
+        "whether max_rows runs sixteen lanes at a time (AVX-512; else its scalar loop, slower than torch's)");
   bind_decode_stack(m);
   bind_suffix_index(m);
 }

@@ -38,6 +38,7 @@ torch::Tensor rope(const torch::Tensor& qk, const torch::Tensor& cos, const torc
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 // cpu_max_rows.cpp
 std::tuple<torch::Tensor, torch::Tensor> max_rows(const torch::Tensor& x);
+bool max_rows_vectorized();
 // cpu_decode_stack.cpp
 void bind_decode_stack(pybind11::module& m);
 // RequestSuffixIndex, a request's own suffix trie for suffix decoding (suffix_index.cpp).

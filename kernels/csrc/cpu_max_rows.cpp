@@ -85,6 +85,14 @@ void max_row(const float* x, int64_t n, float* value, int64_t* index) {
 
 }  // namespace
 
+bool max_rows_vectorized() {
+#ifdef SPECDEC_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::tuple<torch::Tensor, torch::Tensor> max_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0 &&
                   x.stride(1) == 1 && x.size(1) < (int64_t(1) << 31),

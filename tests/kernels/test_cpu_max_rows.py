@@ -6,7 +6,8 @@ torch reference (``torch.max(x, dim=-1)``, :func:`kernels.cpu_max_rows.max_rows_
 - Ties (small integers: many equal maxima, in several lanes) keep the first index; a negative control,
   the last maximal index, differs on the same inputs, so the comparison can fail.
 - A NaN anywhere gives NaN at its first index; +inf wins; a row of -inf gives -inf at index 0.
-- Strided rows and bfloat16 fall back to the reference; the engine's greedy tokens are unchanged.
+- Signed zeros keep the first one's sign; rows further apart than their length; strided rows, bfloat16
+  and autograd leaves fall back to the reference (the engine's greedy tests run on the kernel).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def _equal(x: torch.Tensor) -> None:
     assert torch.equal(indices, want_indices)
     nan = want_values.isnan()
     assert torch.equal(values.isnan(), nan) and torch.equal(values[~nan], want_values[~nan])
+    assert torch.equal(values.signbit(), want_values.signbit())  # -0.0 and +0.0: the first one's sign
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -63,6 +65,17 @@ def test_nan_inf_and_empty_rows(width):
     assert values[3] == float("-inf") and indices[3] == 0
 
 
+def test_signed_zeros_and_padded_rows():
+    x = torch.zeros(4, 40)
+    x[0, 3], x[1, 20], x[2, 39] = -0.0, -0.0, -0.0  # ties of -0.0 and +0.0: the first index wins
+    x[3] = -0.0
+    x[3, 17] = 0.0
+    _equal(x)
+    wide = torch.randn(6, 49160)
+    _equal(wide[:, :49152])  # rows further apart than their length (stride(0) > n)
+    _equal(wide[1:4, 8:])
+
+
 def test_the_wrapper_falls_back_where_the_kernel_does_not_apply():
     x = torch.randn(4, 2 * 49152)
     strided = x[:, ::2]
@@ -85,6 +98,11 @@ def test_sampling_argmax_rows_goes_through_the_kernel(monkeypatch):
         return real(x)
 
     monkeypatch.setattr(sampler, "max_rows", spy)
+
+    def no_reference(x):
+        raise AssertionError("the kernel applies: the reference must not run")
+
+    monkeypatch.setattr(cpu_max_rows, "max_rows_reference", no_reference)
     x = torch.randn(6, 49152)
     assert torch.equal(sampler.argmax_rows(x), x.argmax(dim=-1)) and calls == [(6, 49152)]
     y = torch.randn(2, 3, 50)  # not [rows, vocab]: torch's max
