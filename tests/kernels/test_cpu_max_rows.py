@@ -76,7 +76,15 @@ def test_signed_zeros_and_padded_rows():
     _equal(wide[1:4, 8:])
 
 
-def test_the_wrapper_falls_back_where_the_kernel_does_not_apply():
+def test_the_wrapper_falls_back_where_the_kernel_does_not_apply(monkeypatch):
+    fallbacks = []
+    reference = cpu_max_rows.max_rows_reference
+
+    def counted(t):
+        fallbacks.append(tuple(t.shape))
+        return reference(t)
+
+    monkeypatch.setattr(cpu_max_rows, "max_rows_reference", counted)
     x = torch.randn(4, 2 * 49152)
     strided = x[:, ::2]
     assert torch.equal(cpu_max_rows.max_rows(strided)[1], strided.max(dim=-1).indices)
@@ -84,7 +92,9 @@ def test_the_wrapper_falls_back_where_the_kernel_does_not_apply():
     assert torch.equal(cpu_max_rows.max_rows(b)[1], b.max(dim=-1).indices)
     leaf = torch.randn(3, 100, requires_grad=True)
     assert torch.equal(cpu_max_rows.max_rows(leaf)[1], leaf.max(dim=-1).indices)
+    assert fallbacks == [(4, 49152), (4, 2 * 49152), (3, 100)]  # strided, bfloat16, autograd leaf
     assert torch.equal(cpu_max_rows.max_rows(x)[1], x.max(dim=-1).indices)
+    assert len(fallbacks) == 3  # contiguous float32 rows: the kernel
 
 
 def test_sampling_argmax_rows_goes_through_the_kernel(monkeypatch):
