@@ -208,6 +208,8 @@ class HybridDrafterConfig(SuffixDrafterConfig):
             None: not.
         skip_outranked: skip the learned member's draft step where a model-free member's proposal
             outranks any it could make (``hybrid_skip_outranked``).
+        union: submit the union of the members' proposals as one token tree (``hybrid_union``; a chain
+            config then verifies up to ``k × len(members)`` drafts a step).
     """
 
     method: str = "hybrid"
@@ -218,6 +220,7 @@ class HybridDrafterConfig(SuffixDrafterConfig):
     draft_vocab: Any = None
     quantization: str | None = None
     skip_outranked: bool = True
+    union: bool = False
 
     def _method_config(self) -> dict[str, Any] | None:
         """``{"method": "hybrid", ...}`` for ``specdec.LLM``."""
@@ -225,6 +228,7 @@ class HybridDrafterConfig(SuffixDrafterConfig):
             "method": "hybrid",
             "hybrid_members": list(self.members),
             "hybrid_skip_outranked": self.skip_outranked,
+            "hybrid_union": self.union,
             "prompt_lookup_max": self.prompt_lookup_max,
             "prompt_lookup_min": self.prompt_lookup_min,
             **self._suffix_fields(),
@@ -238,9 +242,13 @@ class HybridDrafterConfig(SuffixDrafterConfig):
         return spec
 
     def field_keys(self) -> dict[str, str]:
-        """The suffix keys', ``hybrid_members`` from ``drafter.members`` and ``hybrid_skip_outranked``
-        from ``drafter.skip_outranked``."""
-        keys = {"hybrid_members": "members", "hybrid_skip_outranked": "skip_outranked"}
+        """The suffix keys', ``hybrid_members`` from ``drafter.members``, ``hybrid_skip_outranked`` from
+        ``drafter.skip_outranked`` and ``hybrid_union`` from ``drafter.union``."""
+        keys = {
+            "hybrid_members": "members",
+            "hybrid_skip_outranked": "skip_outranked",
+            "hybrid_union": "union",
+        }
         return {**super().field_keys(), **keys}
 
 

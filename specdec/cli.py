@@ -80,8 +80,12 @@ def _generate(args: argparse.Namespace) -> int:
             spec["max_forced_drafts"] = args.max_forced_drafts
         if args.suffix_share_across_requests:
             spec["suffix_share_across_requests"] = True
+        if args.hybrid_union:
+            spec["hybrid_union"] = True
     if args.suffix_share_across_requests and args.drafter not in ("suffix", "hybrid"):
         raise SystemExit("--suffix-share-across-requests applies to --drafter suffix or hybrid")
+    if args.hybrid_union and args.drafter != "hybrid":
+        raise SystemExit("--hybrid-union applies to --drafter hybrid")
     if args.max_forced_drafts is not None and not args.grammar_forced_drafts:
         raise SystemExit("--max-forced-drafts needs --grammar-forced-drafts")
     if args.grammar_forced_drafts and args.drafter is None:
@@ -265,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="suffix, hybrid: draft from earlier requests' prompts and outputs too (off by default: a "
         "request's speed could reveal what another request wrote)",
+    )
+    g.add_argument(
+        "--hybrid-union",
+        action="store_true",
+        help="hybrid: verify the union of the members' proposals as one token tree (more rows a step, "
+        "each step accepts its best member's drafts) instead of the best proposal alone",
     )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)

@@ -205,6 +205,8 @@ MAX_SPECULATIVE_TOKENS = 16
 TREE_KINDS = (None, "static", "dynamic")
 #: Largest token tree verified per request per step.
 MAX_TREE_NODES = 64
+#: The hybrid drafter's members when ``hybrid_members`` is None (:mod:`specdec.drafters.hybrid`).
+DEFAULT_HYBRID_MEMBERS = ("suffix", "ngram")
 #: Default ``max_tree_nodes``: 15 drafts and the request's last accepted token make a verification
 #: step of 16 rows, one 16-row tile of the AMX kernels (and a compiled step's bucket); a 17th row starts a
 #: second tile: on a 2-core Intel Xeon with AMX a 17-row step cost 1.48x a plain step against 1.25x for
@@ -307,6 +309,13 @@ class SpeculativeConfig:
             when a model-free member's proposal outranks any the head could make (True, the default);
             False: the head drafts every step, so the hindsight counts and the oracle see its proposals
             every step too.
+        hybrid_union: "hybrid": submit the union of the members' proposals as one token tree (their
+            common prefixes shared, the best-ranked member's nodes first) instead of the best one alone,
+            so that a step accepts what its best member in hindsight would have had accepted (greedy:
+            exactly the oracle's τ) for the cost of verifying more rows. A chain config then reserves
+            ``min(k × len(members), 64)`` draft slots, a tree keeps ``max_tree_nodes``. Deterministic
+            proposals merge; a sampled chain (with ``draft_probs``) that ranks first goes alone. False
+            (default): the best proposal alone.
         draft_vocab: "eagle" / "medusa" / "quantized_self": draft from a reduced vocabulary (EAGLE-3's
             idea): a list of target token ids, or the name or directory of an EAGLE-3 head for the same
             target whose draft vocabulary (its ``d2t``: the most frequent target tokens of its training
@@ -348,6 +357,7 @@ class SpeculativeConfig:
     suffix_share_across_requests: bool = False
     hybrid_members: list[str] | None = None
     hybrid_skip_outranked: bool = True
+    hybrid_union: bool = False
     draft_vocab: list[int] | str | None = None
     draft_stop_probability: float | None = None
 
@@ -471,6 +481,9 @@ class SpeculativeConfig:
             return len(self.static_tree_choices())
         if self.tree == "dynamic":
             return self.max_tree_nodes
+        if self.method == "hybrid" and self.hybrid_union is True:  # the members' chains as one tree
+            members = len(self.hybrid_members or DEFAULT_HYBRID_MEMBERS)
+            return min(self.num_speculative_tokens * members, MAX_TREE_NODES)
         return self.num_speculative_tokens
 
     @classmethod

@@ -87,6 +87,9 @@ def test_grammar_forced_drafts_needs_a_drafter():
     assert args.grammar_forced_drafts and args.drafter == "ngram"
     with pytest.raises(SystemExit, match="--suffix-share-across-requests applies to --drafter suffix or"):
         _generate(parse("--suffix-share-across-requests", "--json-schema", "{}"))
+    with pytest.raises(SystemExit, match="--hybrid-union applies to --drafter hybrid"):
+        _generate(parse("--hybrid-union", "--drafter", "suffix", "--json-schema", "{}"))
+    assert parse("--hybrid-union", "--drafter", "hybrid").hybrid_union
     with pytest.raises(SystemExit, match="--max-forced-drafts needs --grammar-forced-drafts"):
         _generate(parse("--max-forced-drafts", "8", "--drafter", "ngram", "--json-schema", "{}"))
     assert (

@@ -11,9 +11,10 @@ import torch
 from sampling.params import SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
-from specdec.drafters.draft_stats import draft_depth
-from specdec.drafters.hybrid import MIN_CALIBRATION, HybridDrafter, confidence_bucket
+from specdec.drafters.draft_stats import accepted_length, draft_depth
+from specdec.drafters.hybrid import MIN_CALIBRATION, HybridDrafter, confidence_bucket, union_proposal
 from specdec.drafters.registry import register_drafter, unregister_drafter
+from specdec.errors import ConfigError
 from specdec.request import Request, RequestStatus
 
 
@@ -300,3 +301,50 @@ def test_the_backlog_is_the_longest_members_and_catch_up_seconds_add_up():
     assert hybrid.catch_up_tokens == 59 and hybrid.catch_up_s == pytest.approx(0.25 + suffix.catch_up_s)
     long.num_computed_tokens = 60
     assert hybrid.draft_backlog(long, 1) == 5  # the suffix trie keeps up now
+
+
+# ----------------------------------------------------------------------------------- union (hybrid_union)
+def test_the_union_shares_common_prefixes_and_keeps_every_path():
+    """Two chains that agree on their first draft share that node; the result's root paths are exactly
+    the chains' (each kept whole within the budget), with the first proposal's confidence."""
+    a = DraftProposal([5, 6, 7], match_length=3)
+    b = DraftProposal([5, 9, 4], first_draft_prob=0.4)
+    tree, kept = union_proposal([a, b], max_nodes=6, max_depth=3)
+    assert (tree.token_ids, tree.parents) == ([5, 6, 7, 9, 4], [-1, 0, 1, 0, 3])
+    assert kept == [3, 3] and tree.match_length == 3 and tree.first_draft_prob is None
+    committed = [5, 9, 4, 2]
+    assert accepted_length(tree, committed) == max(accepted_length(p, committed) for p in (a, b)) == 3
+
+
+def test_the_union_of_equal_chains_is_a_chain_and_budget_and_depth_cut_later_members():
+    same, _ = union_proposal([DraftProposal([1, 2]), DraftProposal([1, 2, 3])], max_nodes=8, max_depth=4)
+    assert (same.token_ids, same.parents) == ([1, 2, 3], None)  # one path: a chain
+    # budget 4: the first chain whole, one node of the second (its root), the rest left out with its subtree
+    cut, kept = union_proposal([DraftProposal([1, 2, 3]), DraftProposal([4, 5, 6])], max_nodes=4, max_depth=3)
+    assert (cut.token_ids, cut.parents, kept) == ([1, 2, 3, 4], [-1, 0, 1, -1], [3, 1])
+    # depth 2: nodes deeper than 2 are left out; a tree input keeps its own branching
+    tree = DraftProposal([1, 2, 3, 8], parents=[-1, 0, 1, 0])
+    deep, kept = union_proposal([tree, DraftProposal([1, 7, 9])], max_nodes=10, max_depth=2)
+    assert (deep.token_ids, deep.parents, kept) == ([1, 2, 8, 7], [-1, 0, 0, 0], [3, 2])
+    assert union_proposal([], 4, 4)[0].token_ids == []
+
+
+def test_a_union_tells_each_member_its_own_counts(toy):
+    """``hybrid_union=True``: the members' chains go in as one tree (best-ranked first), each member is
+    counted as drafting, and is told its own nodes and the drafts of its path that the committed tokens
+    confirm."""
+    config = SpeculativeConfig("hybrid", 3, hybrid_members=["ngram", toy], hybrid_union=True)
+    assert config.num_draft_slots == 6
+    hybrid = HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
+    req = Request("u", [1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=20), 0)
+    (proposal,) = hybrid.propose([DraftInput(req, 1, 3, 6)])
+    # n-gram [3, 1, 2] (unscored: listed first, ranked first), the toy [3, 4, 5]: sharing the root 3
+    assert (proposal.token_ids, proposal.parents) == ([3, 1, 2, 4, 5], [-1, 0, 1, 0, 3])
+    req.token_ids.extend([3, 4, 9])  # the toy's path: two drafts accepted, then 9
+    hybrid.on_verified(req, len(proposal.token_ids), 2)
+    assert _Toy.calls == [("u", 3, 2)]  # its 3 nodes (the shared root counted), 2 accepted
+    stats = req.drafter_metrics
+    assert (stats["ngram"].num_chosen, stats["ngram"].num_accepted_tokens) == (1, 1)
+    assert (stats[toy].num_chosen, stats[toy].num_draft_tokens, stats[toy].num_accepted_tokens) == (1, 3, 2)
+    with pytest.raises(ConfigError, match="hybrid_union must be a bool"):
+        SpeculativeConfig("hybrid", 3, hybrid_union=1)

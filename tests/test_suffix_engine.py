@@ -207,9 +207,38 @@ def eagle_head(setup):
     return save_random_eagle_head(setup["target"], setup["target"].parent / "eagle_head")
 
 
-def _learned_spec(head, tree: bool, k: int = 3) -> dict:
+def _learned_spec(head, tree: bool, k: int = 3, **extra) -> dict:
     # EAGLE first: before any score the hybrid tries members in order, so the head drafts from the start.
-    return _spec("hybrid", tree, False, k=k, hybrid_members=["eagle", "suffix", "ngram"], model=str(head))
+    members = ["eagle", "suffix", "ngram"]
+    return _spec("hybrid", tree, False, k=k, hybrid_members=members, model=str(head), **extra)
+
+
+@pytest.mark.parametrize("union", [False, True], ids=["best-alone", "union"])
+def test_the_union_of_the_members_chains_reaches_the_oracle(setup, eagle_head, union):
+    """``hybrid_union``: the members' chains go in as one tree (``k × 3`` slots), so every step accepts
+    its best member's hindsight drafts: greedy output equals plain decoding, and the verifier's accepted
+    drafts equal the oracle's (the best member per step in hindsight), up to what ``max_tokens`` cut from
+    each request's last step (at most k each; the oracle counts output tokens only). Submitting the best
+    proposal alone stays below the oracle on the same prompts; the union verified branching trees, and
+    each member was told its own path's counts (their sum exceeds the verifier's where paths share)."""
+    common = dict(skip_tokenizer_init=True, block_size=4)
+    base = _greedy(LLM(setup["target"], **common), PROMPTS)
+    spec = _learned_spec(eagle_head, False, hybrid_union=union, hybrid_skip_outranked=False)
+    llm = LLM(setup["target"], speculative_config=spec, **common)
+    assert llm.engine.num_draft_slots == (9 if union else 3)
+    assert _greedy(llm, PROMPTS) == base
+    stats, report = llm.engine.spec_stats, llm.engine.drafter.report()
+    oracle = report["oracle_accepted_tokens"]
+    assert report["oracle_steps"] == stats.num_drafts
+    if union:
+        assert oracle <= stats.num_accepted_tokens <= oracle + 3 * len(PROMPTS)
+        assert stats.num_draft_nodes > stats.num_draft_tokens
+        members = report["members"]
+        assert all(m["num_chosen"] > 0 for m in members.values())
+        assert sum(m["num_accepted_tokens"] for m in members.values()) > stats.num_accepted_tokens
+    else:
+        assert stats.num_accepted_tokens < oracle
+        assert stats.num_draft_nodes == stats.num_draft_tokens  # chains only
 
 
 @pytest.mark.parametrize(
@@ -284,6 +313,8 @@ DIST_CASES = {
     "suffix-tree": _spec("suffix", True, True, k=2, suffix_cache_max_nodes=400, **TREE),
     "hybrid-chain": _spec("hybrid", False, True, k=2, suffix_cache_max_nodes=400),
     "hybrid-tree": _spec("hybrid", True, True, k=2, suffix_cache_max_nodes=400, **TREE),
+    # The members' chains (suffix, n-gram) verified as one tree: a branching tree where they differ.
+    "hybrid-union": _spec("hybrid", False, True, k=2, suffix_cache_max_nodes=400, hybrid_union=True, **TREE),
 }
 
 
@@ -296,24 +327,33 @@ def test_sampling_matches_the_target(setup, name):
     assert res.pvalue >= ALPHA, res.describe()
     stats = llm.engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    if "tree" in name:
+    if "tree" in name or "union" in name:
         assert stats.num_draft_nodes > stats.num_draft_tokens
     drafter = llm.engine.drafter
     suffix = drafter if name.startswith("suffix") else drafter.members[0]
     assert suffix.cache.num_evicted > 0 and suffix.num_global_drafts > 0
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_sampling_with_a_learned_member_matches_the_target(setup, eagle_head, tree):
-    llm = _llm(setup, _learned_spec(eagle_head, tree, k=2))
+@pytest.mark.parametrize(
+    "tree, union", [(False, False), (True, False), (False, True)], ids=["chain", "tree", "union"]
+)
+def test_sampling_with_a_learned_member_matches_the_target(setup, eagle_head, tree, union):
+    """``union``: the members' chains verified as one tree (``hybrid_union``); the head's sampled chains
+    (with draft probabilities) go alone when they rank first, copier-led steps verify the union."""
+    llm = _llm(setup, _learned_spec(eagle_head, tree, k=2, hybrid_union=union))
     counts = first_two_token_counts(llm, PROMPT, V, BATCH, CALLS)
     res = goodness_of_fit(setup["exact"], counts)
-    print(f"[gof] hybrid with an EAGLE member, {'tree' if tree else 'chain'}: {res.describe()}")
+    print(
+        f"[gof] hybrid with an EAGLE member, {'union' if union else 'tree' if tree else 'chain'}: "
+        f"{res.describe()}"
+    )
     assert res.pvalue >= ALPHA, res.describe()
     members = llm.engine.drafter.report()["members"]
     assert members["eagle"]["num_chosen"] > 0 and members["eagle"]["num_accepted_tokens"] > 0
     stats = llm.engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if union:
+        assert stats.num_draft_nodes > stats.num_draft_tokens  # some steps verified a union tree
 
 
 def test_learned_member_negative_control_fails(setup, eagle_head):
@@ -324,12 +364,12 @@ def test_learned_member_negative_control_fails(setup, eagle_head):
     assert res.pvalue < ALPHA * 1e-3
 
 
-@pytest.mark.parametrize("name", ["suffix-chain", "suffix-chain-cut", "suffix-tree"])
+@pytest.mark.parametrize("name", ["suffix-chain", "suffix-chain-cut", "suffix-tree", "hybrid-union"])
 def test_negative_controls_fail(setup, name, monkeypatch):
     llm = _llm(setup, DIST_CASES[name])
-    if "tree" in name:  # after a rejection keep the target's row (no residual)
+    if "tree" in name or "union" in name:  # after a rejection keep the target's row (no residual)
         monkeypatch.setattr(trs, "_normalise", lambda weights, fallback: fallback)
-    else:
+    if "tree" not in name:  # a union's steps whose members agree verify a chain: accept all of those
         llm.engine.verifier = AcceptEverything()
     counts = first_two_token_counts(llm, PROMPT, V, BATCH, CALLS, seed_base=10**6)
     res = assert_differs(setup["exact"], counts, label=f"{name} control")

@@ -35,10 +35,21 @@ whichever member drafts, the exact verifier keeps the target's distribution (as 
 policies, :mod:`specdec.policies.base`). The speculation policy still sets each request's depth
 (``max_drafts``) before the hybrid drafts.
 
-Metrics (:meth:`HybridDrafter.report`): per member, the steps it drafted for, its drafted and accepted
-tokens, and the tokens it would have had accepted had it drafted every step (in hindsight); and the
-oracle, the best member per step in hindsight (computed when each request finishes, from its whole
-output: exact for greedy requests). Each request's own counts are in ``request.drafter_metrics``
+**Union** (``hybrid_union=True``): instead of the best proposal alone, the hybrid submits the union of
+its members' deterministic proposals as one token tree (:func:`union_proposal`: common prefixes shared,
+the members' nodes added best-ranked first within the step's node budget), so that a step accepts the
+longest of its members' accepted paths. Every root path of the union is one member's, so for a greedy
+request with every proposal kept whole the step accepts exactly what its best member in hindsight would
+have: the hybrid's τ is the oracle's. The cost is the extra rows verified (a chain config reserves
+``k × len(members)`` slots). This is multi-draft speculation (SpecInfer, Miao et al. 2024, verifies a
+tree merged from several drafters' candidates); the tree verifier keeps it exact, since the nodes depend
+on committed tokens only.
+
+Metrics (:meth:`HybridDrafter.report`): per member, the steps it drafted for (in a union, every member
+whose nodes went in), its drafted and accepted tokens (in a union, its own path's accepted drafts),
+and the tokens it would have had accepted had it drafted every step (in hindsight); and the oracle,
+the best member per step in hindsight (computed when each request finishes, from its whole output:
+exact for greedy requests). Each request's own counts are in ``request.drafter_metrics``
 (``RequestOutput.metrics["drafter"]``).
 """
 
@@ -49,7 +60,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdec.config import SpeculativeConfig
+from specdec.config import DEFAULT_HYBRID_MEMBERS, SpeculativeConfig
 from specdec.drafters.base import Drafter, DrafterBase, DrafterContext, DraftInput, DraftProposal
 from specdec.drafters.draft_stats import MemberStats, accepted_length, draft_depth
 from specdec.drafters.registry import check_protocol, get_drafter, register_drafter
@@ -62,7 +73,7 @@ if TYPE_CHECKING:
     from specdec.model_runner import ModelRunner
 
 #: Members when ``hybrid_members`` is None.
-DEFAULT_MEMBERS = ("suffix", "ngram")
+DEFAULT_MEMBERS = DEFAULT_HYBRID_MEMBERS
 #: Weight of the past in a member's running score (per step).
 DECAY = 0.7
 
@@ -79,9 +90,9 @@ def check_hybrid_config(config: SpeculativeConfig) -> None:
         ConfigError: ``hybrid_members`` not a non-empty list of distinct registered drafter names, a
             member that drafts with a model of its own (a draft model, the quantized target: not
             supported), more than one learned member (heads), "hybrid" itself, a member that does not
-            draft the configured ``tree``; ``hybrid_skip_outranked`` not a bool; ``quantization`` without a
-            learned member (it quantizes that member's head, as for the member alone); the suffix fields'
-            errors.
+            draft the configured ``tree``; ``hybrid_skip_outranked`` or ``hybrid_union`` not a bool;
+            ``quantization`` without a learned member (it quantizes that member's head, as for the
+            member alone); the suffix fields' errors.
     """
     members = config.hybrid_members
     if members is not None:
@@ -114,6 +125,8 @@ def check_hybrid_config(config: SpeculativeConfig) -> None:
             raise ConfigError(f"hybrid_members: at most one learned head (they share model=), got {learned}")
     if not isinstance(config.hybrid_skip_outranked, bool):
         raise ConfigError(f"hybrid_skip_outranked must be a bool, got {config.hybrid_skip_outranked!r}")
+    if not isinstance(config.hybrid_union, bool):
+        raise ConfigError(f"hybrid_union must be a bool, got {config.hybrid_union!r}")
     if config.quantization is not None and learned_member(config) is None:
         raise ConfigError(
             f"quantization={config.quantization!r} quantizes the hybrid's learned member (eagle, eagle3, "
@@ -144,6 +157,15 @@ class _Step:
     proposals: list[DraftProposal]
     chosen: int  # member index, -1: none
     counted: bool = False  # the chosen member's accepted drafts were counted (on_verified)
+    #: With ``hybrid_union``: the members whose nodes went into the submitted tree (the chosen first)
+    #: and how many of each; empty: the chosen member's proposal went alone.
+    merged: tuple[tuple[int, int], ...] = ()
+
+    def submitted(self) -> tuple[int, ...]:
+        """The members whose drafts the step verified."""
+        if self.merged:
+            return tuple(i for i, _ in self.merged)
+        return () if self.chosen < 0 else (self.chosen,)
 
 
 #: A proposal's confidence bucket (:func:`confidence_bucket`).
@@ -170,6 +192,60 @@ def confidence_bucket(proposal: DraftProposal) -> Bucket:
         # Not a finite number (a head's overflowed logits): the lowest bin, its drafts get verified anyway.
         return ("prob", min(int(p * PROB_BUCKETS), PROB_BUCKETS - 1) if math.isfinite(p) and p > 0 else 0)
     return ("none", 0)
+
+
+def union_proposal(
+    proposals: list[DraftProposal], max_nodes: int, max_depth: int
+) -> tuple[DraftProposal, list[int]]:
+    """One token tree holding ``proposals`` (chains or trees, deterministic) in order of preference:
+    each proposal's nodes in its own topological order join the tree, a node whose token path is already
+    there shares it, a new node is added while fewer than ``max_nodes`` are and its depth is at most
+    ``max_depth`` (a node left out takes its subtree with it). Returns (the tree: ``parents`` None when it
+    is a chain, ``match_length`` / ``first_draft_prob`` of the first proposal; the nodes of each proposal
+    in it, shared ones included).
+
+    Every root path of the result is a root path (or its prefix) of one of the proposals, and a proposal
+    kept whole keeps every one of its paths: with all kept, a step verifying the union accepts the
+    longest accepted path of any proposal (SpecInfer's merged token tree, Miao et al. 2024)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    depth: list[int] = []
+    node_of: dict[tuple[int, int], int] = {}  # (parent node or -1, token) -> node
+    kept: list[int] = []
+    for proposal in proposals:
+        own_parents = proposal.parents
+        if own_parents is None:
+            own_parents = list(range(-1, len(proposal.token_ids) - 1))
+        mapped: list[int | None] = []
+        count = 0
+        for token, parent in zip(proposal.token_ids, own_parents):
+            at = -1 if parent < 0 else (mapped[parent] if parent < len(mapped) else None)
+            if at is None:  # its parent was left out (or the tree is malformed)
+                mapped.append(None)
+                continue
+            key = (at, int(token))
+            node = node_of.get(key)
+            if node is None:
+                d = 1 if at < 0 else depth[at] + 1
+                if len(tokens) >= max_nodes or d > max_depth:
+                    mapped.append(None)
+                    continue
+                node = node_of[key] = len(tokens)
+                tokens.append(int(token))
+                parents.append(at)
+                depth.append(d)
+            mapped.append(node)
+            count += 1
+        kept.append(count)
+    first = proposals[0] if proposals else DraftProposal([])
+    chain = all(p == i - 1 for i, p in enumerate(parents))
+    tree = DraftProposal(
+        tokens,
+        parents=None if chain else parents,
+        match_length=first.match_length,
+        first_draft_prob=first.first_draft_prob,
+    )
+    return tree, kept
 
 
 @dataclass
@@ -203,7 +279,7 @@ class _HybridState:
     trees=(None, "dynamic"),
     fields=(
         "hybrid_members", "prompt_lookup_max", "prompt_lookup_min", "max_tree_nodes", "tree_topk",
-        "draft_vocab", "quantization", "hybrid_skip_outranked", *SUFFIX_FIELDS,
+        "draft_vocab", "quantization", "hybrid_skip_outranked", "hybrid_union", *SUFFIX_FIELDS,
     ),
     check_config=check_hybrid_config,
     check_target=check_member_target,
@@ -242,6 +318,8 @@ class HybridDrafter(DrafterBase):
         #: Skip the learned member's draft step for a request when a model-free member's proposal
         #: outranks any it could make (:meth:`_outranked`; ``hybrid_skip_outranked``).
         self.skip_outranked = ctx.config.hybrid_skip_outranked
+        #: Submit the union of the members' proposals as one tree (``hybrid_union``).
+        self.union = ctx.config.hybrid_union
         self.states: dict[str, _HybridState] = {}
         #: Engine-wide, per member and confidence bucket: [summed hindsight accepted drafts, proposals].
         self.calibration: list[dict[Bucket, list[int]]] = [{} for _ in self.members]
@@ -355,7 +433,7 @@ class HybridDrafter(DrafterBase):
                 )  # fmt: skip
             else:
                 self._calibrate(i, bucket, got)
-            if i == step.chosen and not step.counted:  # the request's last step: no on_verified
+            if i in step.submitted() and not step.counted:  # the request's last step: no on_verified
                 self._count_accepted(request, i, min(got, len(committed)))
 
     def estimate(self, state: _HybridState, member: int, bucket: Bucket) -> float:
@@ -382,17 +460,21 @@ class HybridDrafter(DrafterBase):
         score = state.scores[member]
         return 0.0 if score is None else score
 
+    def rank(self, state: _HybridState, proposals: list[DraftProposal]) -> list[int]:
+        """The members with non-empty proposals, highest :meth:`estimate` first (ties: the earlier
+        member first)."""
+        scored = [
+            (-self.estimate(state, i, confidence_bucket(p)), i)
+            for i, p in enumerate(proposals)
+            if p.token_ids
+        ]
+        return [i for _, i in sorted(scored)]
+
     def choose(self, state: _HybridState, proposals: list[DraftProposal]) -> int:
         """The member to submit: the highest :meth:`estimate` among non-empty proposals (ties go to the
         earlier member); -1 when none proposed anything."""
-        best, best_score = -1, -1.0
-        for i, p in enumerate(proposals):
-            if not p.token_ids:
-                continue
-            score = self.estimate(state, i, confidence_bucket(p))
-            if score > best_score:
-                best, best_score = i, score
-        return best
+        ranked = self.rank(state, proposals)
+        return ranked[0] if ranked else -1
 
     def _outranked(self, state: _HybridState, proposals: list[DraftProposal | None]) -> bool:
         """Whether the learned member may skip this step: a model-free member's proposal has a higher
@@ -448,19 +530,27 @@ class HybridDrafter(DrafterBase):
             if x.max_drafts <= 0:
                 out.append(DraftProposal([]))
                 continue
-            chosen = self.choose(state, proposals)
+            ranked = self.rank(state, proposals)
+            chosen = ranked[0] if ranked else -1
             step = _Step(len(x.request.token_ids), proposals, chosen)
             state.pending = step
             if chosen < 0:
                 out.append(DraftProposal([]))
                 continue
             state.history.append(step)
-            name = self.names[chosen]
-            for stats in (self.stats[name], x.request.drafter_metrics.get(name)):
-                if stats is not None:
-                    stats.num_chosen += 1
-                    stats.num_draft_tokens += min(draft_depth(proposals[chosen]), x.max_drafts)
-            out.append(proposals[chosen])
+            submitted = proposals[chosen]
+            if self.union and submitted.draft_probs is None:
+                merged = [i for i in ranked if proposals[i].draft_probs is None]
+                budget = x.max_tree_nodes if x.max_tree_nodes > 0 else x.max_drafts * len(merged)
+                submitted, kept = union_proposal([proposals[i] for i in merged], budget, x.max_drafts)
+                step.merged = tuple((i, n) for i, n in zip(merged, kept) if n > 0)
+            for i in step.submitted():
+                name = self.names[i]
+                for stats in (self.stats[name], x.request.drafter_metrics.get(name)):
+                    if stats is not None:
+                        stats.num_chosen += 1
+                        stats.num_draft_tokens += min(draft_depth(proposals[i]), x.max_drafts)
+            out.append(submitted)
         return out
 
     def _count_accepted(self, request: Request, member: int, n: int) -> None:
@@ -471,19 +561,27 @@ class HybridDrafter(DrafterBase):
 
     def on_verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The member whose proposal was submitted this step is told the verified counts (its proposal
-        was the step's whole proposal); every other member ``(0, 0)``, as the engine tells a drafter
+        was the step's whole proposal); in a union (``hybrid_union``) each member whose nodes went in is
+        told its own: its nodes in the tree, and the drafts of its path that the committed tokens
+        confirm (at most ``num_accepted``). Every other member ``(0, 0)``, as the engine tells a drafter
         whose proposal it did not verify."""
         state = self.states.get(request.request_id)
         step = None if state is None else state.pending
-        chosen = -1 if step is None else step.chosen
-        if step is not None and chosen >= 0 and not step.counted and num_drafts:
-            step.counted = True
-            self._count_accepted(request, chosen, num_accepted)
-        for i, m in enumerate(self.members):
-            if i == chosen:
-                m.on_verified(request, num_drafts, num_accepted)
+        told: dict[int, tuple[int, int]] = {}
+        if step is not None and step.chosen >= 0 and num_drafts:
+            if step.merged:
+                committed = request.token_ids[step.position :]
+                for i, nodes in step.merged:
+                    own = min(accepted_length(step.proposals[i], committed), num_accepted)
+                    told[i] = (nodes, own)
             else:
-                m.on_verified(request, 0, 0)
+                told[step.chosen] = (num_drafts, num_accepted)
+            if not step.counted:
+                step.counted = True
+                for i, (_, accepted) in told.items():
+                    self._count_accepted(request, i, accepted)
+        for i, m in enumerate(self.members):
+            m.on_verified(request, *told.get(i, (0, 0)))
 
     def observe(self, request, start_position, hidden_states) -> None:
         for m in self.members:
