@@ -15,8 +15,11 @@ Methods (greedy, SmolLM2-135M-Instruct by default, one request at a time):
   the shipped one in the same run.
 
 Per method: tokens/s, speedup over our plain decoding and over transformers, τ (tokens emitted per
-target forward), acceptance per position (the fraction of draft steps whose draft at depth i was
-accepted), and, with ``prompts=specbench``, τ per Spec-Bench category. Every speculative method's
+draft step: 1 + accepted ÷ draft steps), tokens per target forward over every step (drafting or not:
+prompt lookup drafts only where it finds a match, so its τ leaves out the steps it sat out; compare
+drafters that draft at different rates by this figure), acceptance per position (the fraction of draft
+steps whose draft at depth i was accepted), and, with ``prompts=specbench``, both per Spec-Bench
+category. Every speculative method's
 output is checked against plain greedy decoding (exactness; a mismatch is reported, not hidden). Each
 row is also paired prompt by prompt with the ``compare_to`` row (``plain``; ``compare_to=ngram`` asks
 whether a drafter beats prompt lookup): per category the geometric mean of the per-prompt speed ratios
@@ -275,7 +278,8 @@ def run_method(
 
 def with_categories(row: dict[str, Any], timed: Timed, cats: list[str]) -> dict[str, Any]:
     """``row`` with ``tokens_per_s_per_category`` (each prompt's own seconds) and, for a drafter,
-    ``tau_per_category``; ``cats[i]`` is prompt i's category."""
+    ``tau_per_category`` (per draft step) and ``tokens_per_step_per_category`` (per target forward,
+    drafting or not); ``cats[i]`` is prompt i's category."""
     spent: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # category -> [tokens, seconds]
     for out, secs, cat in zip(timed.outputs, timed.seconds, cats):
         spent[cat][0] += len(out)
@@ -285,12 +289,14 @@ def with_categories(row: dict[str, Any], timed: Timed, cats: list[str]) -> dict[
         row["tokens_per_prompt"] = [len(o) for o in timed.outputs]
         row["seconds_per_prompt"] = list(timed.seconds)
     if "tau" in row:
-        per_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # category -> [accepted, draft steps]
+        # category -> [accepted, draft steps, sampling steps]
+        per_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
         for m, cat in zip(timed.metrics, cats):
-            if m.get("num_drafts"):
-                per_cat[cat][0] += m["num_accepted_tokens"]
-                per_cat[cat][1] += m["num_drafts"]
-        row["tau_per_category"] = {c: 1 + a / n for c, (a, n) in per_cat.items() if n}
+            per_cat[cat][0] += m.get("num_accepted_tokens", 0)
+            per_cat[cat][1] += m.get("num_drafts", 0)
+            per_cat[cat][2] += m.get("num_steps", 0)
+        row["tau_per_category"] = {c: 1 + a / n for c, (a, n, _) in per_cat.items() if n}
+        row["tokens_per_step_per_category"] = {c: 1 + a / s for c, (a, _, s) in per_cat.items() if s}
     return row
 
 
@@ -397,7 +403,7 @@ def run(cfg: BenchDraftersConfig) -> dict[str, Any]:
         elif base_outs is not None:
             row["matches_plain_greedy"] = sum(a == b for a, b in zip(outs, base_outs)) / len(outs)
         rows[name] = row
-        skip = ("tau_per_category", "tokens_per_prompt", "seconds_per_prompt")
+        skip = ("tau_per_category", "tokens_per_step_per_category", "tokens_per_prompt", "seconds_per_prompt")
         print(name, json.dumps({k: v for k, v in row.items() if k not in skip}), flush=True)
     plain = rows.get("plain", {}).get("tokens_per_s")
     hf = result["transformers_plain"]["tokens_per_s"] if cfg.transformers else None
@@ -476,17 +482,19 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['num_prompts']} {result['prompts']} prompts, {result['max_tokens']} tokens each, batch 1, "
         f"greedy; transformers plain: {hf_cell}",
         "",
-        "| method | tok/s | vs plain | vs transformers | τ | acceptance per position | matches greedy |",
-        "|---|---|---|---|---|---|---|",
+        "| method | tok/s | vs plain | vs transformers | τ | tokens per forward | acceptance per position | "
+        "matches greedy |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         acc = " / ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", []))
         tau = f"{r['tau']:.2f}" if "tau" in r else "1.00"
+        per_step = f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "1.00"
         match = r.get("matches_plain_greedy")
         match_cell = "" if match is None else f"{match:.0%}"
         lines.append(
             f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_plain'] or 0:.2f}× | "
-            f"{_ratio(r.get('speedup_vs_transformers'))} | {tau} | {acc} | {match_cell} |"
+            f"{_ratio(r.get('speedup_vs_transformers'))} | {tau} | {per_step} | {acc} | {match_cell} |"
         )
     cats = sorted({c for r in rows.values() for c in r.get("tau_per_category", {})})
     if cats:
@@ -494,6 +502,18 @@ def format_table(result: dict[str, Any]) -> str:
         lines += ["", "| category | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for c in cats:
             cells = [f"{rows[n]['tau_per_category'].get(c, float('nan')):.2f}" for n in names]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        names = [n for n in rows if rows[n].get("tokens_per_step_per_category")]
+        lines += [
+            "",
+            "tokens per target forward per category (every step, drafting or not; τ above counts draft "
+            "steps only):",
+            "",
+            "| category | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for c in cats:
+            cells = [f"{rows[n]['tokens_per_step_per_category'].get(c, float('nan')):.2f}" for n in names]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     names = [n for n in rows if n != "plain" and rows[n].get("speedup_per_category")]
     cats = sorted({c for n in names for c in rows[n]["speedup_per_category"]})

@@ -442,7 +442,9 @@ def time_together(
 
 
 def spec_stats_fields(llm: Any) -> dict[str, Any]:
-    """The speculative counters since the last reset: ``tau`` (tokens per target forward),
+    """The speculative counters since the last reset: ``tau`` (tokens per draft step: 1 + accepted ÷
+    draft steps), ``tokens_per_step`` (tokens per target forward over every sampling step, drafting or
+    not: the figure to compare drafters that draft at different rates by),
     ``acceptance_rate``, ``acceptance_per_position`` (the fraction of draft steps whose draft at depth i
     was accepted), ``draft_tokens_per_step``, ``draft_time_s``, ``draft_ms_per_step`` (drafting time per
     draft step), ``verify_time_s``; empty without a
@@ -452,6 +454,7 @@ def spec_stats_fields(llm: Any) -> dict[str, Any]:
         return {}
     return {
         "tau": stats.mean_acceptance_length,
+        "tokens_per_step": stats.tokens_per_step,
         "acceptance_rate": stats.acceptance_rate,
         "acceptance_per_position": [n / stats.num_drafts for n in stats.accepted_per_position],
         "draft_tokens_per_step": stats.num_draft_tokens / stats.num_drafts,

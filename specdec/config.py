@@ -476,7 +476,8 @@ class SpeculativeConfig:
 
     @property
     def num_draft_slots(self) -> int:
-        """KV slots a request reserves for drafts per step: k for a chain, the tree's size for a tree."""
+        """KV slots a request reserves for drafts per step: k for a chain, the tree's size for a tree,
+        ``min(k × members, 64)`` for a hybrid union of chains (``hybrid_union``)."""
         if self.tree == "static":
             return len(self.static_tree_choices())
         if self.tree == "dynamic":

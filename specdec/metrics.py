@@ -40,6 +40,8 @@ class SpecStats:
         accepted_per_position: per position (tree: depth) ``d + 1``, the steps that accepted a draft there.
         drafted_per_position: per position (tree: depth) ``d + 1``, the steps that drafted it.
         num_draft_nodes: draft tokens verified by the target (a tree's nodes; a chain's tokens).
+        num_steps: sampling steps: target forwards that emitted tokens, drafting or not (the step that
+            ends a prompt included); the denominator of ``tokens_per_step``.
         draft_time_s, verify_time_s: wall time spent drafting and verifying (engine-wide figures).
     """
 
@@ -52,6 +54,7 @@ class SpecStats:
     verify_time_s: float = 0.0
     drafted_per_position: list[int] = field(default_factory=list)
     num_draft_nodes: int = 0
+    num_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.accepted_per_position:
@@ -60,7 +63,8 @@ class SpecStats:
             self.drafted_per_position = [0] * self.num_speculative_tokens
 
     def observe(self, num_draft_tokens: int, num_accepted: int, num_draft_nodes: int | None = None) -> None:
-        """Record one draft step (nothing when no token was drafted).
+        """Record one sampling step: a draft step, or (no token drafted) a step counted in ``num_steps``
+        alone.
 
         Args:
             num_draft_tokens: the step's draft length: a chain's length, or a token tree's depth.
@@ -68,6 +72,7 @@ class SpecStats:
             num_draft_nodes: draft tokens verified (a tree's node count); None: ``num_draft_tokens`` (a
                 chain).
         """
+        self.num_steps += 1
         if num_draft_tokens == 0:
             return
         nodes = num_draft_tokens if num_draft_nodes is None else num_draft_nodes
@@ -96,6 +101,15 @@ class SpecStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
+    def tokens_per_step(self) -> float | None:
+        """1 + accepted draft tokens / sampling steps: tokens emitted per target forward over every step,
+        drafting or not (a request's last step counted in full, as for τ). τ counts draft steps only, so
+        a drafter that drafts only where it matches (prompt lookup) has a higher τ than one that drafts
+        every step for the same tokens per forward; compare drafters that draft at different rates by
+        this figure (or by speed)."""
+        return 1 + self.num_accepted_tokens / self.num_steps if self.num_steps else None
+
+    @property
     def acceptance_rate_per_position(self) -> list[float | None]:
         """Per position (tree: depth) ``d + 1``: steps that accepted it / steps that drafted it (None where
         no step drafted it)."""
@@ -112,6 +126,8 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "acceptance_rate_per_position": self.acceptance_rate_per_position,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "num_steps": self.num_steps,
+            "tokens_per_step": self.tokens_per_step,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
         }
@@ -127,6 +143,7 @@ class SpecStats:
             f"SpecStats(num_drafts={self.num_drafts}, num_draft_tokens={self.num_draft_tokens}, "
             f"num_accepted_tokens={self.num_accepted_tokens}, acceptance_rate={r(self.acceptance_rate)}, "
             f"mean_acceptance_length={r(self.mean_acceptance_length)}, "
+            f"tokens_per_step={r(self.tokens_per_step)}, "
             f"accepted_per_position={self.accepted_per_position}, "
             f"acceptance_rate_per_position={per_position}, num_draft_nodes={self.num_draft_nodes}, "
             f"num_speculative_tokens={self.num_speculative_tokens}, draft_time_s={r(self.draft_time_s, 3)}, "

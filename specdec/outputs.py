@@ -64,8 +64,9 @@ class RequestOutput:
             request's acceptance counters and figures (:class:`specdec.metrics.SpecStats`: ``num_drafts``,
             ``num_draft_tokens``, ``num_draft_nodes``, ``num_accepted_tokens``, ``accepted_per_position``,
             ``drafted_per_position``, ``acceptance_rate``, ``acceptance_rate_per_position``,
-            ``mean_acceptance_length``). With ``n`` > 1 they are the first sample's (``outputs[0]``)
-            alone, not a sum or mean over the samples; ``llm.engine.spec_stats`` aggregates every sample.
+            ``mean_acceptance_length``, ``num_steps``, ``tokens_per_step``). With ``n`` > 1 they are the
+            first sample's (``outputs[0]``) alone, not a sum or mean over the samples;
+            ``llm.engine.spec_stats`` aggregates every sample.
     """
 
     request_id: str

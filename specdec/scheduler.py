@@ -99,7 +99,8 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.num_speculative_tokens = num_speculative_tokens
-        #: Slots reserved per drafting request (a tree's size; k for chains).
+        #: Slots reserved per drafting request (a tree's size; k for chains; k per member for a hybrid
+        #: union: ``SpeculativeConfig.num_draft_slots``).
         self.num_draft_slots = num_speculative_tokens if num_draft_slots is None else num_draft_slots
         #: Extra draft positions and slots of a constrained request, for grammar-aware drafting.
         self.num_forced_draft_slots = num_forced_draft_slots

@@ -451,6 +451,30 @@ def test_bench_drafters_speed_per_category(monkeypatch):
     assert "transformers plain: not run" in bench_drafters.format_table(no_hf)
 
 
+def test_bench_drafters_tokens_per_forward_counts_steps_that_did_not_draft():
+    """τ per category counts draft steps only; tokens per forward counts every sampling step: a drafter
+    that sat out half its steps (prompt lookup without a match) has τ 3 but 2 tokens per forward."""
+    from experiments.harness import Timed
+
+    metrics = [
+        {"num_accepted_tokens": 4, "num_drafts": 2, "num_steps": 4},  # code: 8 tokens in 4 forwards
+        {"num_accepted_tokens": 2, "num_drafts": 2, "num_steps": 2},  # chat: drafted every step
+    ]
+    timed = Timed([[0] * 8, [0] * 4], 2.0, metrics, seconds=[1.0, 1.0])
+    row = bench_drafters.with_categories({"tau": 2.5, "tokens_per_step": 2.0}, timed, ["code", "chat"])
+    assert row["tau_per_category"] == {"code": 3.0, "chat": 2.0}
+    assert row["tokens_per_step_per_category"] == {"code": 2.0, "chat": 2.0}
+    result = {
+        "num_prompts": 2,
+        "prompts": "p",
+        "max_tokens": 8,
+        "methods": {"d": {**row, "tokens_per_s": 6.0, "speedup_vs_plain": 1.5}},
+    }
+    table = bench_drafters.format_table(result)
+    assert "| d | 6.0 | 1.50× | - | 2.50 | 2.00 |" in table
+    assert "tokens per target forward per category" in table and "| code | 2.00 |" in table
+
+
 def test_paired_speedups_match_a_t_interval_on_log_ratios():
     """bench_drafters.paired_speedups: per category the geometric mean of per-prompt speed ratios and
     its 95 % interval equal scipy's one-sample t interval on the log ratios, exponentiated (8 made-up

@@ -12,7 +12,14 @@ from sampling.params import SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
 from specdec.drafters.draft_stats import accepted_length, draft_depth
-from specdec.drafters.hybrid import MIN_CALIBRATION, HybridDrafter, confidence_bucket, union_proposal
+from specdec.drafters.hybrid import (
+    MIN_CALIBRATION,
+    HybridDrafter,
+    Kept,
+    confidence_bucket,
+    union_proposal,
+    well_formed,
+)
 from specdec.drafters.registry import register_drafter, unregister_drafter
 from specdec.errors import ConfigError
 from specdec.request import Request, RequestStatus
@@ -311,7 +318,7 @@ def test_the_union_shares_common_prefixes_and_keeps_every_path():
     b = DraftProposal([5, 9, 4], first_draft_prob=0.4)
     tree, kept = union_proposal([a, b], max_nodes=6, max_depth=3)
     assert (tree.token_ids, tree.parents) == ([5, 6, 7, 9, 4], [-1, 0, 1, 0, 3])
-    assert kept == [3, 3] and tree.match_length == 3 and tree.first_draft_prob is None
+    assert kept == [Kept(3, 3), Kept(3, 3)] and tree.match_length == 3 and tree.first_draft_prob is None
     committed = [5, 9, 4, 2]
     assert accepted_length(tree, committed) == max(accepted_length(p, committed) for p in (a, b)) == 3
 
@@ -321,12 +328,26 @@ def test_the_union_of_equal_chains_is_a_chain_and_budget_and_depth_cut_later_mem
     assert (same.token_ids, same.parents) == ([1, 2, 3], None)  # one path: a chain
     # budget 4: the first chain whole, one node of the second (its root), the rest left out with its subtree
     cut, kept = union_proposal([DraftProposal([1, 2, 3]), DraftProposal([4, 5, 6])], max_nodes=4, max_depth=3)
-    assert (cut.token_ids, cut.parents, kept) == ([1, 2, 3, 4], [-1, 0, 1, -1], [3, 1])
+    assert (cut.token_ids, cut.parents, kept) == ([1, 2, 3, 4], [-1, 0, 1, -1], [Kept(3, 3), Kept(1, 1)])
     # depth 2: nodes deeper than 2 are left out; a tree input keeps its own branching
     tree = DraftProposal([1, 2, 3, 8], parents=[-1, 0, 1, 0])
     deep, kept = union_proposal([tree, DraftProposal([1, 7, 9])], max_nodes=10, max_depth=2)
-    assert (deep.token_ids, deep.parents, kept) == ([1, 2, 8, 7], [-1, 0, 0, 0], [3, 2])
+    assert (deep.token_ids, deep.parents, kept) == ([1, 2, 8, 7], [-1, 0, 0, 0], [Kept(3, 2), Kept(2, 2)])
     assert union_proposal([], 4, 4)[0].token_ids == []
+    # a member's own duplicate siblings share one node, counted once
+    dup, kept = union_proposal(
+        [DraftProposal([5, 5, 6, 7], parents=[-1, -1, 0, 1])], max_nodes=8, max_depth=4
+    )
+    assert (dup.token_ids, dup.parents, kept) == ([5, 6, 7], [-1, 0, 0], [Kept(3, 2)])
+
+
+def test_only_well_formed_proposals_join_a_union():
+    assert well_formed(DraftProposal([1, 2], parents=[-1, 0]), vocab_size=8)
+    assert not well_formed(DraftProposal([1, 9]), vocab_size=8)  # outside the vocabulary
+    assert not well_formed(DraftProposal([1, True]))  # not integers
+    assert not well_formed(DraftProposal([1, 2, 3], parents=[-2, 0, 1]))  # parent below -1
+    assert not well_formed(DraftProposal([1, 2, 3], parents=[-1, 2, 0]))  # a later node as parent
+    assert not well_formed(DraftProposal([1, 2], parents=[-1]))  # a parent per token
 
 
 def test_a_union_tells_each_member_its_own_counts(toy):
@@ -348,3 +369,43 @@ def test_a_union_tells_each_member_its_own_counts(toy):
     assert (stats[toy].num_chosen, stats[toy].num_draft_tokens, stats[toy].num_accepted_tokens) == (1, 3, 2)
     with pytest.raises(ConfigError, match="hybrid_union must be a bool"):
         SpeculativeConfig("hybrid", 3, hybrid_union=1)
+
+
+def _union(members: list[str], k: int = 3) -> HybridDrafter:
+    config = SpeculativeConfig("hybrid", k, hybrid_members=members, hybrid_union=True)
+    return HybridDrafter(DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None))  # type: ignore[arg-type]
+
+
+def test_a_member_cut_by_the_budget_is_counted_by_what_went_in(toy):
+    """With room for 4 nodes, n-gram's [3, 1, 2] goes in whole and the toy's [3, 4, 5] only by the shared
+    root: the toy's drafts are its kept depth (1), and it is credited no draft beyond it."""
+    hybrid = _union(["ngram", toy])
+    req = Request("b", [1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=20), 0)
+    (proposal,) = hybrid.propose([DraftInput(req, 1, 3, 4)])
+    assert (proposal.token_ids, proposal.parents) == ([3, 1, 2, 4], [-1, 0, 1, 0])
+    req.token_ids.extend([3, 4, 5])  # the toy's path to depth 2 (its 5 was cut): 3, 4 accepted, then 5
+    hybrid.on_verified(req, 4, 2)
+    assert _Toy.calls == [("b", 2, 2)]  # its two nodes in the tree (3 shared, 4), both accepted
+    stats = req.drafter_metrics
+    assert (stats[toy].num_draft_tokens, stats[toy].num_accepted_tokens) == (2, 2)
+    assert (stats["ngram"].num_draft_tokens, stats["ngram"].num_accepted_tokens) == (3, 1)
+
+
+def test_a_sampled_or_malformed_proposal_stays_out_of_the_union(toy, caplog):
+    """A proposal with draft probabilities that ranks first goes alone (verified against its own
+    distributions); one that ranks lower is left out; a malformed one is left out and logged once."""
+    hybrid = _union([toy, "ngram"])
+    req = Request("s", [1, 2, 3, 1, 2], SamplingParams(temperature=1.0, max_tokens=20), 0)
+    sampled = DraftProposal([3, 4, 5], draft_probs=torch.full((3, 8), 1 / 8))
+    hybrid.members[0].propose = lambda batch: [sampled for _ in batch]
+    (proposal,) = hybrid.propose([DraftInput(req, 1, 3, 6)])
+    assert proposal is sampled and hybrid.states["s"].pending.merged == ()
+    hybrid.on_verified(req, 0, 0)  # dropped (say): nothing verified, nothing credited later
+    assert hybrid.states["s"].pending.counted
+    hybrid.members[0].propose = lambda batch: [DraftProposal([3, -4, 5]) for _ in batch]
+    with caplog.at_level("WARNING", logger="specdec.drafters.hybrid"):
+        (proposal,) = hybrid.propose([DraftInput(req, 1, 3, 6)])  # the toy ranks first, malformed: alone
+        assert proposal.token_ids == [3, -4, 5]
+        hybrid.propose([DraftInput(req, 1, 3, 6)])  # again: not logged again
+    assert sum("left out of the union" in r.message for r in caplog.records) == 1
+    assert req.drafter_metrics[toy].num_accepted_tokens == 0

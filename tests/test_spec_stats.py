@@ -16,10 +16,11 @@ def test_chain_figures_are_unchanged():
     s = SpecStats(4)
     s.observe(4, 2)  # a chain of 4, 2 accepted
     s.observe(3, 3)  # a chain of 3 (capped), all accepted
-    s.observe(0, 0)  # no drafts: not a draft step
+    s.observe(0, 0)  # no drafts: not a draft step, but a sampling step
     assert (s.num_drafts, s.num_draft_tokens, s.num_draft_nodes, s.num_accepted_tokens) == (2, 7, 7, 5)
     assert s.acceptance_rate == pytest.approx(5 / 7)
     assert s.mean_acceptance_length == pytest.approx(1 + 5 / 2)
+    assert (s.num_steps, s.tokens_per_step) == (3, pytest.approx(1 + 5 / 3))  # 8 tokens in 3 forwards
     assert s.accepted_per_position == [2, 2, 1, 0]
     assert s.drafted_per_position == [2, 2, 2, 1]
     assert s.acceptance_rate_per_position == pytest.approx([1.0, 1.0, 0.5, 0.0])
@@ -39,7 +40,7 @@ def test_tree_acceptance_is_per_depth_not_per_node():
 
 def test_no_drafts_gives_none():
     s = SpecStats(3)
-    assert s.acceptance_rate is None and s.mean_acceptance_length is None
+    assert s.acceptance_rate is None and s.mean_acceptance_length is None and s.tokens_per_step is None
     assert s.acceptance_rate_per_position == [None, None, None]
 
 
@@ -51,6 +52,7 @@ def test_as_dict_has_every_figure():
     assert d["acceptance_rate"] == 0.5 and d["mean_acceptance_length"] == 2.0
     assert d["accepted_per_position"] == [1, 0] and d["drafted_per_position"] == [1, 1]
     assert d["acceptance_rate_per_position"] == [1.0, 0.0]
+    assert (d["num_steps"], d["tokens_per_step"]) == (1, 2.0)
     assert {"num_drafts", "num_accepted_tokens", "draft_time_s", "verify_time_s"} <= d.keys()
 
 

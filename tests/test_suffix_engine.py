@@ -3,9 +3,10 @@
 chi-square test of the sampled distribution (chains and trees) with negative controls that must fail.
 
 False positives: each distribution test fails an exact engine with probability ``ALPHA`` = 1e-3 (the
-chi-square test of :mod:`tests.stats`; seven such tests here: about 0.7 % per run of the file). Greedy
+chi-square test of :mod:`tests.stats`; nine such tests here: about 0.9 % per run of the file). Greedy
 tests are deterministic. The negative controls must reach p < 1e-6; with their biases (accepting every
-draft, or keeping the target's row after a tree rejection) the observed p-values are far below that.
+draft, keeping the target's row after a tree rejection, or accepting a union tree's first root child)
+the observed p-values are far below that.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 import sampling.tree_rejection_sampler as trs
 from sampling.params import SamplingParams
+from sampling.verifier import SpeculativeVerifier
 from specdec import LLM
 from tests.conftest import (
     first_three_logits,
@@ -338,8 +340,10 @@ def test_sampling_matches_the_target(setup, name):
     "tree, union", [(False, False), (True, False), (False, True)], ids=["chain", "tree", "union"]
 )
 def test_sampling_with_a_learned_member_matches_the_target(setup, eagle_head, tree, union):
-    """``union``: the members' chains verified as one tree (``hybrid_union``); the head's sampled chains
-    (with draft probabilities) go alone when they rank first, copier-led steps verify the union."""
+    """``union``: the members' chains verified as one tree (``hybrid_union``): the random head's chains
+    mostly differ from the copiers', so many steps verify a branching tree (EAGLE's chains are its
+    argmax drafts, deterministic: they join the union; a sampled chain that ranks first would go alone,
+    tests/test_hybrid_drafter.py)."""
     llm = _llm(setup, _learned_spec(eagle_head, tree, k=2, hybrid_union=union))
     counts = first_two_token_counts(llm, PROMPT, V, BATCH, CALLS)
     res = goodness_of_fit(setup["exact"], counts)
@@ -364,12 +368,41 @@ def test_learned_member_negative_control_fails(setup, eagle_head):
     assert res.pvalue < ALPHA * 1e-3
 
 
-@pytest.mark.parametrize("name", ["suffix-chain", "suffix-chain-cut", "suffix-tree", "hybrid-union"])
+class FirstChildAccepted(trs.TreeVerifier):
+    """Negative control for token trees: the first root child is accepted outright, then one token is
+    sampled from its row (the chain verifier beside it stays exact, so only union trees are biased)."""
+
+    def verify_batch(self, target_probs, batch, default_generator=None):
+        results, start = [], 0
+        for x in batch:
+            assert x.tree is not None
+            gen = x.generator if x.generator is not None else default_generator
+            child = x.tree.parents.index(-1)
+            row = target_probs[start + 1 + child]
+            final = int(torch.multinomial(row, 1, generator=gen))
+            results.append(trs.TreeVerifyResult([x.tree.token_ids[child], final], 1, [child]))
+            start += x.num_rows
+        return results
+
+
+def test_learned_member_union_negative_control_fails(setup, eagle_head):
+    """The union with a random head: its chains mostly differ from the copiers', so many steps verify a
+    tree; with those trees' first root child accepted outright (chains exact) the test must reject."""
+    llm = _llm(setup, _learned_spec(eagle_head, False, k=2, hybrid_union=True))
+    llm.engine.verifier = SpeculativeVerifier(tree=FirstChildAccepted())
+    counts = first_two_token_counts(llm, PROMPT, V, BATCH, CALLS, seed_base=10**6)
+    res = assert_differs(setup["exact"], counts, label="hybrid union with an EAGLE member, control")
+    assert res.pvalue < ALPHA * 1e-3
+    stats = llm.engine.spec_stats
+    assert llm.engine.num_failed_requests == 0 and stats.num_draft_nodes > stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("name", ["suffix-chain", "suffix-chain-cut", "suffix-tree"])
 def test_negative_controls_fail(setup, name, monkeypatch):
     llm = _llm(setup, DIST_CASES[name])
-    if "tree" in name or "union" in name:  # after a rejection keep the target's row (no residual)
+    if "tree" in name:  # after a rejection keep the target's row (no residual)
         monkeypatch.setattr(trs, "_normalise", lambda weights, fallback: fallback)
-    if "tree" not in name:  # a union's steps whose members agree verify a chain: accept all of those
+    else:
         llm.engine.verifier = AcceptEverything()
     counts = first_two_token_counts(llm, PROMPT, V, BATCH, CALLS, seed_base=10**6)
     res = assert_differs(setup["exact"], counts, label=f"{name} control")

@@ -55,6 +55,7 @@ exact for greedy requests). Each request's own counts are in ``request.drafter_m
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -71,6 +72,8 @@ from specdec.request import Request
 
 if TYPE_CHECKING:
     from specdec.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 #: Members when ``hybrid_members`` is None.
 DEFAULT_MEMBERS = DEFAULT_HYBRID_MEMBERS
@@ -156,16 +159,17 @@ class _Step:
     position: int  # request length when drafted
     proposals: list[DraftProposal]
     chosen: int  # member index, -1: none
-    counted: bool = False  # the chosen member's accepted drafts were counted (on_verified)
+    counted: bool = False  # the submitted members' accepted drafts were counted (or none verified)
     #: With ``hybrid_union``: the members whose nodes went into the submitted tree (the chosen first)
-    #: and how many of each; empty: the chosen member's proposal went alone.
-    merged: tuple[tuple[int, int], ...] = ()
+    #: and what of each; empty: the chosen member's proposal went alone.
+    merged: tuple[tuple[int, Kept], ...] = ()
 
-    def submitted(self) -> tuple[int, ...]:
-        """The members whose drafts the step verified."""
+    def submitted(self) -> dict[int, int | None]:
+        """The members whose drafts the step verified -> the most of their drafts it could accept
+        (their kept depth in a union; None: the whole proposal went)."""
         if self.merged:
-            return tuple(i for i, _ in self.merged)
-        return () if self.chosen < 0 else (self.chosen,)
+            return {i: k.depth for i, k in self.merged}
+        return {} if self.chosen < 0 else {self.chosen: None}
 
 
 #: A proposal's confidence bucket (:func:`confidence_bucket`).
@@ -194,33 +198,69 @@ def confidence_bucket(proposal: DraftProposal) -> Bucket:
     return ("none", 0)
 
 
+def well_formed(proposal: DraftProposal, vocab_size: int | None = None) -> bool:
+    """Whether a member's proposal can join a union: integer tokens, non-negative (and below
+    ``vocab_size`` when given),
+    and for a tree one parent per token, each -1 or an earlier node (the engine's own check drops a
+    malformed proposal that goes alone; in a union it would take the other members' drafts with it)."""
+    tokens = proposal.token_ids
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        return False
+    if not all(t >= 0 and (vocab_size is None or t < vocab_size) for t in tokens):
+        return False
+    parents = proposal.parents
+    if parents is None:
+        return True
+    return len(parents) == len(tokens) and all(
+        isinstance(q, int) and not isinstance(q, bool) and -1 <= q < i for i, q in enumerate(parents)
+    )
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What of one proposal a union holds: its distinct nodes there (shared ones included) and the
+    depth of its deepest kept node (its drafts on one path: what it can have accepted)."""
+
+    nodes: int
+    depth: int
+
+
 def union_proposal(
     proposals: list[DraftProposal], max_nodes: int, max_depth: int
-) -> tuple[DraftProposal, list[int]]:
-    """One token tree holding ``proposals`` (chains or trees, deterministic) in order of preference:
-    each proposal's nodes in its own topological order join the tree, a node whose token path is already
-    there shares it, a new node is added while fewer than ``max_nodes`` are and its depth is at most
-    ``max_depth`` (a node left out takes its subtree with it). Returns (the tree: ``parents`` None when it
-    is a chain, ``match_length`` / ``first_draft_prob`` of the first proposal; the nodes of each proposal
-    in it, shared ones included).
+) -> tuple[DraftProposal, list[Kept]]:
+    """One token tree holding ``proposals`` in order of preference.
 
-    Every root path of the result is a root path (or its prefix) of one of the proposals, and a proposal
-    kept whole keeps every one of its paths: with all kept, a step verifying the union accepts the
-    longest accepted path of any proposal (SpecInfer's merged token tree, Miao et al. 2024)."""
+    Each proposal's nodes join in its own topological order: a node whose token path is already in the
+    tree shares that node; a new node is added while the tree has fewer than ``max_nodes`` nodes and its
+    depth is at most ``max_depth``; a node left out takes its subtree with it. Every root path of the
+    result is a root path (or its prefix) of one of the proposals, and a proposal kept whole keeps every
+    one of its paths, so a step verifying the union accepts the longest accepted path of any kept
+    proposal (multi-draft speculation; SpecInfer, Miao et al. 2024, merges several drafters' candidates
+    into one token tree). Siblings are distinct tokens, as the tree verifier needs.
+
+    Args:
+        proposals: deterministic proposals (chains or trees, ``draft_probs`` None), each
+            :func:`well_formed`.
+        max_nodes: most nodes of the result (the step's draft slots).
+        max_depth: most drafts on one path (the step's depth).
+
+    Returns:
+        (the tree: ``parents`` None when it is one chain; ``match_length`` and ``first_draft_prob`` of
+        the first proposal, what the hybrid ranked it by; per proposal, :class:`Kept`).
+    """
     tokens: list[int] = []
     parents: list[int] = []
     depth: list[int] = []
     node_of: dict[tuple[int, int], int] = {}  # (parent node or -1, token) -> node
-    kept: list[int] = []
+    kept: list[Kept] = []
     for proposal in proposals:
         own_parents = proposal.parents
         if own_parents is None:
             own_parents = list(range(-1, len(proposal.token_ids) - 1))
         mapped: list[int | None] = []
-        count = 0
         for token, parent in zip(proposal.token_ids, own_parents):
-            at = -1 if parent < 0 else (mapped[parent] if parent < len(mapped) else None)
-            if at is None:  # its parent was left out (or the tree is malformed)
+            at = -1 if parent < 0 else mapped[parent]
+            if at is None:  # its parent was left out
                 mapped.append(None)
                 continue
             key = (at, int(token))
@@ -235,8 +275,8 @@ def union_proposal(
                 parents.append(at)
                 depth.append(d)
             mapped.append(node)
-            count += 1
-        kept.append(count)
+        mine = {n for n in mapped if n is not None}
+        kept.append(Kept(len(mine), max((depth[n] for n in mine), default=0)))
     first = proposals[0] if proposals else DraftProposal([])
     chain = all(p == i - 1 for i, p in enumerate(parents))
     tree = DraftProposal(
@@ -320,6 +360,8 @@ class HybridDrafter(DrafterBase):
         self.skip_outranked = ctx.config.hybrid_skip_outranked
         #: Submit the union of the members' proposals as one tree (``hybrid_union``).
         self.union = ctx.config.hybrid_union
+        self._vocab_size = ctx.target.cfg.vocab_size if ctx.target is not None else None
+        self._malformed_logged: set[int] = set()
         self.states: dict[str, _HybridState] = {}
         #: Engine-wide, per member and confidence bucket: [summed hindsight accepted drafts, proposals].
         self.calibration: list[dict[Bucket, list[int]]] = [{} for _ in self.members]
@@ -433,8 +475,10 @@ class HybridDrafter(DrafterBase):
                 )  # fmt: skip
             else:
                 self._calibrate(i, bucket, got)
-            if i in step.submitted() and not step.counted:  # the request's last step: no on_verified
-                self._count_accepted(request, i, min(got, len(committed)))
+            submitted = step.submitted()
+            if i in submitted and not step.counted:  # the request's last step: no on_verified
+                cap, n = submitted[i], min(got, len(committed))
+                self._count_accepted(request, i, n if cap is None else min(n, cap))
 
     def estimate(self, state: _HybridState, member: int, bucket: Bucket) -> float:
         """Expected accepted drafts of a proposal of ``member`` in confidence ``bucket`` this step, from
@@ -496,6 +540,20 @@ class HybridDrafter(DrafterBase):
         buckets = [("prob", b) for b in range(PROB_BUCKETS)] + [("none", 0)]
         return max(free) > max(self.estimate(state, learned, b) for b in buckets)
 
+    def _mergeable(self, member: int, proposal: DraftProposal) -> bool:
+        """Whether ``proposal`` may join a union (:func:`well_formed`); a malformed one is left out (the
+        other members' drafts still go) and logged once per member."""
+        if well_formed(proposal, self._vocab_size):
+            return True
+        if member not in self._malformed_logged:
+            self._malformed_logged.add(member)
+            logger.warning(
+                "hybrid: member %r proposed a malformed proposal (tokens outside the vocabulary, or "
+                "parents not -1 or an earlier node); it is left out of the union",
+                self.names[member],
+            )
+        return False
+
     def _propose_members(self, batch: list[DraftInput]) -> list[list[DraftProposal]]:
         """Every member's proposals ``[member][request]``: the model-free members first; the learned
         member then drafts only for the requests whose best model-free proposal does not outrank it
@@ -540,16 +598,20 @@ class HybridDrafter(DrafterBase):
             state.history.append(step)
             submitted = proposals[chosen]
             if self.union and submitted.draft_probs is None:
-                merged = [i for i in ranked if proposals[i].draft_probs is None]
-                budget = x.max_tree_nodes if x.max_tree_nodes > 0 else x.max_drafts * len(merged)
-                submitted, kept = union_proposal([proposals[i] for i in merged], budget, x.max_drafts)
-                step.merged = tuple((i, n) for i, n in zip(merged, kept) if n > 0)
-            for i in step.submitted():
+                merged = [
+                    i for i in ranked if proposals[i].draft_probs is None and self._mergeable(i, proposals[i])
+                ]
+                if merged and merged[0] == chosen:  # else the chosen goes alone, the engine's check drops it
+                    budget = x.max_tree_nodes if x.max_tree_nodes > 0 else x.max_drafts * len(merged)
+                    submitted, kept = union_proposal([proposals[i] for i in merged], budget, x.max_drafts)
+                    step.merged = tuple((i, k) for i, k in zip(merged, kept) if k.nodes > 0)
+            for i, cap in step.submitted().items():
                 name = self.names[i]
+                depth = min(draft_depth(proposals[i]), x.max_drafts)
                 for stats in (self.stats[name], x.request.drafter_metrics.get(name)):
                     if stats is not None:
                         stats.num_chosen += 1
-                        stats.num_draft_tokens += min(draft_depth(proposals[i]), x.max_drafts)
+                        stats.num_draft_tokens += depth if cap is None else min(depth, cap)
             out.append(submitted)
         return out
 
@@ -571,15 +633,15 @@ class HybridDrafter(DrafterBase):
         if step is not None and step.chosen >= 0 and num_drafts:
             if step.merged:
                 committed = request.token_ids[step.position :]
-                for i, nodes in step.merged:
-                    own = min(accepted_length(step.proposals[i], committed), num_accepted)
-                    told[i] = (nodes, own)
+                for i, kept in step.merged:
+                    own = min(accepted_length(step.proposals[i], committed), num_accepted, kept.depth)
+                    told[i] = (kept.nodes, own)
             else:
                 told[step.chosen] = (num_drafts, num_accepted)
-            if not step.counted:
-                step.counted = True
-                for i, (_, accepted) in told.items():
-                    self._count_accepted(request, i, accepted)
+        if step is not None and not step.counted:
+            step.counted = True  # verified now (or dropped: nothing to count later either)
+            for i, (_, accepted) in told.items():
+                self._count_accepted(request, i, accepted)
         for i, m in enumerate(self.members):
             m.on_verified(request, *told.get(i, (0, 0)))
 

@@ -174,8 +174,9 @@ def build_scheduler(
     spec: SpeculativeConfig | None,
 ) -> tuple[KVCacheManager, Scheduler]:
     """The block manager over ``parts.num_kv_blocks`` blocks and the scheduler that reserves, per
-    drafting request and step, ``spec.num_draft_slots`` KV slots (k for chains, the tree size for trees),
-    and ``spec.num_forced_draft_slots`` more for a constrained request under grammar-aware drafting.
+    drafting request and step, ``spec.num_draft_slots`` KV slots (k for chains, the tree size for trees,
+    k per member for a hybrid union), and ``spec.num_forced_draft_slots`` more for a constrained request
+    under grammar-aware drafting.
     Under a sliding window on every layer the manager releases blocks behind it (:func:`release_window`)."""
     window = release_window(parts.model_cfg, parts.drafter, cache_config.block_size)
     kv = KVCacheManager(

@@ -134,7 +134,8 @@ class LLMEngine:
         #: Verifies drafts (chains and trees); assignable, e.g. to a negative control.
         self.verifier: Verifier = SpeculativeVerifier()
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        #: KV slots a drafting request reserves per step (k for chains, the tree size for trees).
+        #: KV slots a drafting request reserves per step (k for chains, the tree size for trees, k per
+        #: member for a hybrid union of chains: ``SpeculativeConfig.num_draft_slots``).
         self.num_draft_slots = spec.num_draft_slots if spec else 0
         #: Draft slots a constrained request reserves beyond ``num_draft_slots`` (grammar-aware drafting).
         self.num_forced_draft_slots = spec.num_forced_draft_slots if spec else 0
