@@ -306,9 +306,7 @@ class SpeculativeConfig:
         hybrid_members: "hybrid": the drafters it chooses among per request and step (None:
             ``["suffix", "ngram"]``); see :mod:`specdec.drafters.hybrid`.
         hybrid_skip_outranked: "hybrid" with a learned member: skip the head's draft step for a request
-            when a model-free member's proposal outranks any the head could make, or (a lone request)
-            when the drafts the head adds over the copiers do not pay for its draft step (True, the
-            default);
+            when a model-free member's proposal outranks any the head could make (True, the default);
             False: the head drafts every step, so the hindsight counts and the oracle see its proposals
             every step too.
         hybrid_union: "hybrid": submit the union of the members' proposals as one token tree (their

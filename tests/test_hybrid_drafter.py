@@ -13,11 +13,9 @@ from specdec.config import SpeculativeConfig
 from specdec.drafters.base import DrafterBase, DrafterContext, DraftInput, DraftProposal, RequestStates
 from specdec.drafters.draft_stats import accepted_length, draft_depth
 from specdec.drafters.hybrid import (
-    MAX_COST_SKIPS,
     MIN_CALIBRATION,
     HybridDrafter,
     Kept,
-    _HybridState,
     confidence_bucket,
     union_proposal,
     well_formed,
@@ -411,50 +409,3 @@ def test_a_sampled_or_malformed_proposal_stays_out_of_the_union(toy, caplog):
         hybrid.propose([DraftInput(req, 1, 3, 6)])  # again: not logged again
     assert sum("left out of the union" in r.message for r in caplog.records) == 1
     assert req.drafter_metrics[toy].num_accepted_tokens == 0
-
-
-def test_the_head_skips_lone_steps_its_drafts_do_not_pay_for(monkeypatch):
-    """The cost rule: the head drafts while ``g T >= (1 + c) C`` (g: drafts it adds over the best
-    copier, c: the copier's accepted, C: its draft step, T: a target step); a lone request skips it
-    otherwise, at most MAX_COST_SKIPS steps in a row; a batch or a seeded request never by cost."""
-    hybrid = _hybrid(["suffix", "ngram"])
-    monkeypatch.setattr(hybrid, "_outranked", lambda state, proposals: False)
-    state = _HybridState([None, None], seeded=False)
-    hybrid.head_s = 0.0036
-    hybrid.set_step_costs({1: 0.014})
-    assert hybrid._head_pays(state)  # no figures yet: it drafts
-    state.head_gain, state.copier_best = 0.2, 0.5  # 0.2 x 14 ms < 1.5 x 3.6 ms: does not pay
-    assert not hybrid._head_pays(state) and hybrid._skip_head(state, [], lone=True)
-    assert not hybrid._skip_head(state, [], lone=False)  # a batch: rank rule only
-    state.skipped = MAX_COST_SKIPS
-    assert not hybrid._skip_head(state, [], lone=True)  # probe: it drafts once
-    state.skipped, state.head_gain = 0, 0.4  # 0.4 x 14 = 5.6 >= 5.4: pays
-    assert hybrid._head_pays(state) and not hybrid._skip_head(state, [], lone=True)
-    hybrid.observe_step_time(1, 0.004)  # observed lone steps replace the profile: 0.9 x 14 + 0.1 x 4 ms
-    assert hybrid.step_s == pytest.approx(0.013) and not hybrid._head_pays(state)
-    state.seeded = True  # a seeded request's choices never read timings
-    assert hybrid._head_pays(state)
-
-
-def test_the_heads_gain_over_the_copiers_is_scored_in_hindsight():
-    """After a step where the head drafted, its gain is max(0, head - best copier) accepted drafts."""
-
-    class _Head(DrafterBase):
-        uses_hidden_states = True
-
-        def propose(self, batch):
-            return [DraftProposal([5, 6, 7]) for _ in batch]
-
-    config = SpeculativeConfig("hybrid", 3, hybrid_members=["ngram"])
-    ctx = DrafterContext(None, config, None, torch.float32, torch.device("cpu"), None)  # type: ignore[arg-type]
-    from specdec.drafters.ngram import NgramDrafter
-
-    hybrid = HybridDrafter(ctx, members={"head": _Head(), "ngram": NgramDrafter(ctx)})
-    req = Request("g", [1, 5, 9, 1], SamplingParams(temperature=0, max_tokens=20), 0)
-    hybrid.propose([DraftInput(req, 1, 3)])  # head [5, 6, 7], n-gram [5, 9, 1]
-    req.token_ids.extend([5, 6, 2])
-    hybrid.on_verified(req, 3, 2)
-    hybrid.propose([DraftInput(req, 1, 3)])  # scores the step: head 2, n-gram 1
-    state = hybrid.states["g"]
-    assert (state.head_gain, state.copier_best) == (1, 1)
-    assert hybrid.head_s is not None and hybrid.head_s >= 0

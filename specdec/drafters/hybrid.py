@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -184,10 +183,6 @@ MIN_CALIBRATION = 8
 CALIBRATION_WEIGHT = 4.0
 #: Most steps in a row the learned member may skip for a request (then it drafts once, and is scored).
 MAX_SKIPS = 3
-#: The same when its drafts do not pay for their draft step (:meth:`HybridDrafter._head_pays`).
-MAX_COST_SKIPS = 8
-#: Weight of the past in the head's and the target step's running seconds.
-TIME_DECAY = 0.9
 
 
 def confidence_bucket(proposal: DraftProposal) -> Bucket:
@@ -313,10 +308,6 @@ class _HybridState:
     bucket_scores: list[dict[Bucket, float]] = field(default_factory=list)
     bucket_counts: list[dict[Bucket, int]] = field(default_factory=list)
     skipped: int = 0  # steps in a row the learned member was skipped (hybrid_skip_outranked)
-    #: Running (DECAY) hindsight figures of the steps the head drafted: what it added over the best
-    #: copier (``max(0, head - best copier)`` accepted drafts) and the best copier's own; None before.
-    head_gain: float | None = None
-    copier_best: float | None = None
     pending: _Step | None = None  # scored at the next proposal (or when the request ends)
     history: list[_Step] = field(default_factory=list)  # for the oracle, scored at the end
     open: list[_Open] = field(default_factory=list)  # each closes within k steps: at most members x k
@@ -340,9 +331,6 @@ class HybridDrafter(DrafterBase):
     Args:
         ctx: built into every member (``config.hybrid_members``, default suffix and n-gram).
         members: already built members (tests); None builds them from the registry.
-        head_cost_skip: with ``hybrid_skip_outranked``, also skip the head where its drafts do not pay
-            for its draft step (:meth:`_head_pays`); False keeps the rank rule alone (an ablation:
-            ``drafter_kwargs={"head_cost_skip": False}``).
 
     Attributes:
         names: the members' names, in order.
@@ -351,9 +339,7 @@ class HybridDrafter(DrafterBase):
             each would have had accepted (in hindsight, over finished requests).
     """
 
-    def __init__(
-        self, ctx: DrafterContext, members: dict[str, Drafter] | None = None, head_cost_skip: bool = True
-    ) -> None:
+    def __init__(self, ctx: DrafterContext, members: dict[str, Drafter] | None = None) -> None:
         if members is None:
             names = list(ctx.config.hybrid_members or DEFAULT_MEMBERS)
             members = {n: get_drafter(n).factory(ctx) for n in names}
@@ -372,11 +358,6 @@ class HybridDrafter(DrafterBase):
         #: Skip the learned member's draft step for a request when a model-free member's proposal
         #: outranks any it could make (:meth:`_outranked`; ``hybrid_skip_outranked``).
         self.skip_outranked = ctx.config.hybrid_skip_outranked
-        #: Running seconds of the learned member's draft step per request it drafted for, and of a
-        #: lone request's target step (observed, else profiled); None before any.
-        self.head_s: float | None = None
-        self.step_s: float | None = None
-        self.head_cost_skip = head_cost_skip
         #: Submit the union of the members' proposals as one tree (``hybrid_union``).
         self.union = ctx.config.hybrid_union
         self._vocab_size = ctx.target.cfg.vocab_size if ctx.target is not None else None
@@ -401,25 +382,17 @@ class HybridDrafter(DrafterBase):
 
     @property
     def wants_step_costs(self) -> bool:
-        """True when a member wants the target's profiled step costs (suffix decoding's chain cut) or
-        there is a learned member (the head's skip weighs its draft step against a target step)."""
-        return self._learned is not None or any(getattr(m, "wants_step_costs", False) for m in self.members)
+        """True when a member wants the target's profiled step costs (suffix decoding's chain cut)."""
+        return any(getattr(m, "wants_step_costs", False) for m in self.members)
 
     def set_step_costs(self, step_s: dict[int, float]) -> None:
-        """Hand the target's step costs to the members that want them; a one-token step's seconds are the
-        head skip's step time until lone steps are observed."""
-        if self.step_s is None and step_s.get(1):
-            self.step_s = float(step_s[1])
+        """Hand the target's step costs to the members that want them."""
         for m in self.members:
             if getattr(m, "wants_step_costs", False):
                 m.set_step_costs(step_s)
 
     def observe_step_time(self, num_tokens: int, seconds: float) -> None:
-        """A decode step of one request (its target forward, verification and commit), handed to the
-        members that learn from step times, and the head skip's step time."""
-        if seconds > 0:
-            old = self.step_s
-            self.step_s = seconds if old is None else TIME_DECAY * old + (1 - TIME_DECAY) * seconds
+        """A decode step of one request, handed to the members that learn from step times."""
         for m in self.members:
             observe = getattr(m, "observe_step_time", None)
             if observe is not None:
@@ -476,14 +449,6 @@ class HybridDrafter(DrafterBase):
             return
         state.pending = None
         committed = request.token_ids[step.position :]
-        learned = self._learned
-        if learned is not None and step.proposals[learned].token_ids:  # the head drafted: what it added
-            got_all = [accepted_length(p, committed) if p.token_ids else 0 for p in step.proposals]
-            best_copier = max((g for i, g in enumerate(got_all) if i != learned), default=0)
-            gain = max(0, got_all[learned] - best_copier)
-            for name, value in (("head_gain", gain), ("copier_best", best_copier)):
-                old = getattr(state, name)
-                setattr(state, name, value if old is None else DECAY * old + (1 - DECAY) * value)
         for i, proposal in enumerate(step.proposals):
             if not proposal.token_ids:
                 continue
@@ -589,27 +554,6 @@ class HybridDrafter(DrafterBase):
             )
         return False
 
-    def _head_pays(self, state: _HybridState) -> bool:
-        """Whether the learned member's draft step pays for a lone request: with ``g`` the drafts it adds
-        over the best copier's accepted ``c`` (running hindsight figures of the steps it drafted), ``C``
-        its draft step's seconds and ``T`` a target step's, a step emits ``1 + c + g`` tokens in ``T + C``
-        with the head against ``1 + c`` in ``T`` without: it pays when ``g T >= (1 + c) C``. True while
-        any figure is missing, and for a seeded request (its choices must not depend on timings)."""
-        if state.seeded or None in (state.head_gain, state.copier_best, self.head_s, self.step_s):
-            return True
-        return state.head_gain * self.step_s >= (1 + state.copier_best) * self.head_s  # type: ignore[operator]
-
-    def _skip_head(self, state: _HybridState, proposals: list[DraftProposal | None], lone: bool) -> bool:
-        """Skip the learned member's draft step for this request: a copier outranks it
-        (:meth:`_outranked`), or, for a lone request, its drafts do not pay for their step
-        (:meth:`_head_pays`; it drafts again after :data:`MAX_COST_SKIPS` skips in a row, so that its
-        figures follow the text)."""
-        if self._outranked(state, proposals):
-            return True
-        if not (self.head_cost_skip and lone) or state.skipped >= MAX_COST_SKIPS:
-            return False
-        return not self._head_pays(state)
-
     def _propose_members(self, batch: list[DraftInput]) -> list[list[DraftProposal]]:
         """Every member's proposals ``[member][request]``: the model-free members first; the learned
         member then drafts only for the requests whose best model-free proposal does not outrank it
@@ -622,23 +566,15 @@ class HybridDrafter(DrafterBase):
             inputs = batch
             if self.skip_outranked:
                 inputs = []
-                lone = len(batch) == 1
                 for j, x in enumerate(batch):
                     state = self.states[x.request.request_id]
-                    if x.max_drafts > 0 and self._skip_head(state, [p and p[j] for p in per_member], lone):
+                    if x.max_drafts > 0 and self._outranked(state, [p and p[j] for p in per_member]):
                         state.skipped += 1
                         x = replace(x, max_drafts=0)
                     elif x.max_drafts > 0:
                         state.skipped = 0
                     inputs.append(x)
-            drafting = sum(x.max_drafts > 0 for x in inputs)
-            t0 = time.perf_counter()
             per_member[learned] = self.members[learned].propose(inputs)
-            if drafting:  # its draft step per request, a resumed head's catch-up over skipped tokens aside
-                catch_up = float(getattr(self.members[learned], "catch_up_s", 0.0))
-                seconds = max(0.0, time.perf_counter() - t0 - catch_up) / drafting
-                old = self.head_s
-                self.head_s = seconds if old is None else TIME_DECAY * old + (1 - TIME_DECAY) * seconds
         return per_member  # type: ignore[return-value]
 
     def propose(self, batch: list[DraftInput]) -> list[DraftProposal]:
