@@ -489,7 +489,10 @@ def format_table(result: dict[str, Any]) -> str:
     for name, r in rows.items():
         acc = " / ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", []))
         tau = f"{r['tau']:.2f}" if "tau" in r else "1.00"
-        per_step = f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "1.00"
+        # plain: one token per forward; a drafter row of an older result without the figure: -
+        per_step = (
+            f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "-" if "tau" in r else "1.00"
+        )
         match = r.get("matches_plain_greedy")
         match_cell = "" if match is None else f"{match:.0%}"
         lines.append(

@@ -377,8 +377,8 @@ def _union(members: list[str], k: int = 3) -> HybridDrafter:
 
 
 def test_a_member_cut_by_the_budget_is_counted_by_what_went_in(toy):
-    """With room for 4 nodes, n-gram's [3, 1, 2] goes in whole and the toy's [3, 4, 5] only by the shared
-    root: the toy's drafts are its kept depth (1), and it is credited no draft beyond it."""
+    """With room for 4 nodes, n-gram's [3, 1, 2] goes in whole and the toy's [3, 4, 5] as the shared root
+    and its 4 (its 5 is cut): the toy's drafts are its kept depth (2), its nodes 2."""
     hybrid = _union(["ngram", toy])
     req = Request("b", [1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=20), 0)
     (proposal,) = hybrid.propose([DraftInput(req, 1, 3, 4)])
@@ -393,19 +393,25 @@ def test_a_member_cut_by_the_budget_is_counted_by_what_went_in(toy):
 
 def test_a_sampled_or_malformed_proposal_stays_out_of_the_union(toy, caplog):
     """A proposal with draft probabilities that ranks first goes alone (verified against its own
-    distributions); one that ranks lower is left out; a malformed one is left out and logged once."""
+    distributions), and when the engine drops it nothing is credited later; a malformed best proposal
+    is left out (logged once) and the union of the others goes."""
     hybrid = _union([toy, "ngram"])
     req = Request("s", [1, 2, 3, 1, 2], SamplingParams(temperature=1.0, max_tokens=20), 0)
     sampled = DraftProposal([3, 4, 5], draft_probs=torch.full((3, 8), 1 / 8))
     hybrid.members[0].propose = lambda batch: [sampled for _ in batch]
     (proposal,) = hybrid.propose([DraftInput(req, 1, 3, 6)])
     assert proposal is sampled and hybrid.states["s"].pending.merged == ()
-    hybrid.on_verified(req, 0, 0)  # dropped (say): nothing verified, nothing credited later
-    assert hybrid.states["s"].pending.counted
+    hybrid.on_verified(req, 0, 0)  # dropped: nothing verified
+    req.token_ids.append(3)  # the step's one token happens to be the toy's first draft
     hybrid.members[0].propose = lambda batch: [DraftProposal([3, -4, 5]) for _ in batch]
     with caplog.at_level("WARNING", logger="specdec.drafters.hybrid"):
-        (proposal,) = hybrid.propose([DraftInput(req, 1, 3, 6)])  # the toy ranks first, malformed: alone
-        assert proposal.token_ids == [3, -4, 5]
+        # Both scored 1 in hindsight (n-gram's [3, 1, 2] too): the toy, listed first, ranks first but is
+        # malformed: n-gram's proposal goes (a chain: the union of one), and the toy is not counted.
+        (proposal,) = hybrid.propose([DraftInput(req, 1, 3, 6)])
+        assert proposal.token_ids == [1, 2, 3] and proposal.parents is None
+        assert hybrid.states["s"].pending.submitted() == {1: 3}
         hybrid.propose([DraftInput(req, 1, 3, 6)])  # again: not logged again
     assert sum("left out of the union" in r.message for r in caplog.records) == 1
-    assert req.drafter_metrics[toy].num_accepted_tokens == 0
+    stats = req.drafter_metrics
+    assert stats[toy].num_accepted_tokens == 0  # the dropped step credited nothing (hindsight: 1)
+    assert (stats[toy].num_chosen, stats["ngram"].num_chosen) == (1, 2)

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -199,12 +200,12 @@ def confidence_bucket(proposal: DraftProposal) -> Bucket:
 
 
 def well_formed(proposal: DraftProposal, vocab_size: int | None = None) -> bool:
-    """Whether a member's proposal can join a union: integer tokens, non-negative (and below
-    ``vocab_size`` when given),
+    """Whether a member's proposal can join a union: integer tokens (Python or numpy), non-negative
+    (and below ``vocab_size`` when given),
     and for a tree one parent per token, each -1 or an earlier node (the engine's own check drops a
     malformed proposal that goes alone; in a union it would take the other members' drafts with it)."""
     tokens = proposal.token_ids
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in tokens):
         return False
     if not all(t >= 0 and (vocab_size is None or t < vocab_size) for t in tokens):
         return False
@@ -212,7 +213,8 @@ def well_formed(proposal: DraftProposal, vocab_size: int | None = None) -> bool:
     if parents is None:
         return True
     return len(parents) == len(tokens) and all(
-        isinstance(q, int) and not isinstance(q, bool) and -1 <= q < i for i, q in enumerate(parents)
+        isinstance(q, numbers.Integral) and not isinstance(q, bool) and -1 <= q < i
+        for i, q in enumerate(parents)
     )
 
 
@@ -601,10 +603,11 @@ class HybridDrafter(DrafterBase):
                 merged = [
                     i for i in ranked if proposals[i].draft_probs is None and self._mergeable(i, proposals[i])
                 ]
-                if merged and merged[0] == chosen:  # else the chosen goes alone, the engine's check drops it
+                if merged:  # a malformed best proposal is left out: the union of the others goes
                     budget = x.max_tree_nodes if x.max_tree_nodes > 0 else x.max_drafts * len(merged)
                     submitted, kept = union_proposal([proposals[i] for i in merged], budget, x.max_drafts)
                     step.merged = tuple((i, k) for i, k in zip(merged, kept) if k.nodes > 0)
+                    step.chosen = chosen = merged[0]
             for i, cap in step.submitted().items():
                 name = self.names[i]
                 depth = min(draft_depth(proposals[i]), x.max_drafts)
