@@ -459,7 +459,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
         ax2.set_xticks(
             [j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=45, ha="right", fontsize=8
         )
-        ax2.set_ylabel("τ (tokens per target forward)")
+        ax2.set_ylabel("τ (tokens per draft step)")
         ax2.axhline(1.0, color="grey", linewidth=0.5)
         ax2.legend(fontsize=7)
     fig.tight_layout()

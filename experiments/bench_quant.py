@@ -11,8 +11,8 @@ Rows per model (batch 1, greedy, ``max_tokens`` new tokens per prompt, built-in 
 - **speculative** (bfloat16 target): plain, ``ngram`` (prompt lookup), ``quantized_self`` int4 (default
   symmetric group 64, and group 32 with zero points: the zoo checkpoints' own grid) and int8 (drafter in
   bfloat16), and for Qwen2.5-Coder-1.5B the 0.5B ``draft_model``: tokens/s, speedup over
-  plain, τ (tokens per target forward), acceptance per position, and whether the output equals plain
-  greedy decoding (it must);
+  plain, τ (tokens per draft step; these drafters draft every step, so also per target forward),
+  acceptance per position, and whether the output equals plain greedy decoding (it must);
 - **kernels** (``kernels=true``): milliseconds per call of dense, int8 and int4 (packed kernel and
   dequantize-then-matmul) for the model's LM head and fused gate/up shapes, per row count and dtype,
   weights cycled through enough copies to defeat the caches.
