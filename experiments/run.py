@@ -80,7 +80,7 @@ logger = logging.getLogger("experiments.run")
 #: Builds an ``LLM`` (or anything with its ``generate``) for a ``speculative_config`` (None: plain).
 LLMFactory = Callable[[dict[str, Any] | None], Any]
 
-_COUNT_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+_COUNT_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_steps")
 _TIME_KEYS = ("draft_time_s", "verify_time_s")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WARMUP_MAX_TOKENS = 8
@@ -326,6 +326,7 @@ def aggregate(records: Sequence[dict[str, Any]], greedy: bool, speculative: bool
         drafts = sum(c["num_drafts"] for c in counts)
         draft_tokens = sum(c["num_draft_tokens"] for c in counts)
         accepted = sum(c["num_accepted_tokens"] for c in counts)
+        steps = sum(c.get("num_steps") or 0 for c in counts)
         per_pos = [0] * max((len(c["accepted_per_position"]) for c in counts), default=0)
         for c in counts:
             for i, n in enumerate(c["accepted_per_position"]):
@@ -337,6 +338,9 @@ def aggregate(records: Sequence[dict[str, Any]], greedy: bool, speculative: bool
             accepted_per_position_counts=per_pos,
             acceptance_rate=accepted / draft_tokens if draft_tokens else None,
             mean_acceptance_length=1.0 + accepted / drafts if drafts else None,
+            # tokens per target forward over every sampling step (SpecStats.tokens_per_step)
+            num_steps=steps,
+            tokens_per_step=1.0 + accepted / steps if steps else None,
             accepted_per_position=[n / drafts for n in per_pos] if drafts else None,
         )
         for key in _TIME_KEYS:

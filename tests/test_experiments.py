@@ -666,7 +666,7 @@ class FakeStats:
         self.reset()
 
     def reset(self) -> None:
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = self.num_steps = 0
         self.accepted_per_position = [0, 0]
         self.draft_time_s = self.verify_time_s = 0.0
 
@@ -688,9 +688,10 @@ class FakeLLM:
             ids = [t + 1 for t in ids]
         metrics: dict[str, Any] = {"num_generated_tokens": len(ids)}
         if self.spec is not None:
-            counts = {"num_drafts": 2, "num_draft_tokens": 4, "num_accepted_tokens": 3}
+            counts = {"num_drafts": 2, "num_draft_tokens": 4, "num_accepted_tokens": 3, "num_steps": 3}
             if self.engine.spec_stats is not None:
                 s = self.engine.spec_stats
+                s.num_steps += 3  # one of them drafted nothing
                 s.num_drafts += 2
                 s.num_draft_tokens += 4
                 s.num_accepted_tokens += 3
@@ -726,6 +727,7 @@ def test_run_prompts_aggregates(use_stats):
     assert metrics["num_drafts"] == 6 and metrics["num_draft_tokens"] == 12
     assert metrics["acceptance_rate"] == pytest.approx(9 / 12)
     assert metrics["mean_acceptance_length"] == pytest.approx(1 + 9 / 6)
+    assert (metrics["num_steps"], metrics["tokens_per_step"]) == (9, pytest.approx(1 + 9 / 9))
     assert metrics["accepted_per_position"] == pytest.approx([1.0, 0.5])
     assert metrics["speedup"] == pytest.approx(
         metrics["tokens_per_s_spec"] / metrics["tokens_per_s_baseline"]
