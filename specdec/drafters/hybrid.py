@@ -451,6 +451,7 @@ class HybridDrafter(DrafterBase):
             return
         state.pending = None
         committed = request.token_ids[step.position :]
+        submitted = step.submitted()
         for i, proposal in enumerate(step.proposals):
             if not proposal.token_ids:
                 continue
@@ -477,7 +478,6 @@ class HybridDrafter(DrafterBase):
                 )  # fmt: skip
             else:
                 self._calibrate(i, bucket, got)
-            submitted = step.submitted()
             if i in submitted and not step.counted:  # the request's last step: no on_verified
                 cap, n = submitted[i], min(got, len(committed))
                 self._count_accepted(request, i, n if cap is None else min(n, cap))
