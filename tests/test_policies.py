@@ -617,13 +617,18 @@ def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
 
 
 def _simulated_goodput(
-    calibrate_costs: bool, acceptance: float, batch: int = 16, steps: int = 400, pause_at: int = -1
+    calibrate_costs: bool,
+    acceptance: float,
+    batch: int = 16,
+    steps: int = 400,
+    pause_at: int = -1,
+    check: bool = False,
 ):
     """A goodput policy over ``steps`` simulated decode steps of ``batch`` requests: its profile prices
     each extra batched token at 1 % of a one-token step, the machine at 3 % (plus drafting, 0.5 ms a
     position), and the drafter proposes 1 .. granted drafts, each accepted with ``acceptance`` (seeded);
-    step ``pause_at`` takes 20 times its time (a pause). Returns (committed tokens per second ÷ plain
-    decoding's, the policy)."""
+    step ``pause_at`` takes 20 times its time (a pause); ``check``: the realised-speedup check on. Returns
+    (committed tokens per second ÷ plain decoding's, the policy)."""
     import random
     from types import SimpleNamespace
 
@@ -633,7 +638,7 @@ def _simulated_goodput(
     rng = random.Random(0)
     profile = [[n, 0.010 * (1 + 0.01 * (n - 1))] for n in (1, 8, 16, 32, 64, 96)]
     policy = build_policy(
-        "goodput", PolicyContext(4), {"step_s": profile, "calibrate_costs": calibrate_costs}
+        "goodput", PolicyContext(4), {"step_s": profile, "calibrate_costs": calibrate_costs, "check": check}
     )
     reqs = [
         SimpleNamespace(
@@ -645,7 +650,7 @@ def _simulated_goodput(
     seconds = committed = 0.0
     for step in range(steps):
         depths = policy.decide([PolicyInput(r, 4, batch, batch) for r in reqs])
-        tokens, per_request = batch, []
+        tokens, per_request, step_committed = batch, [], batch
         for r, d in zip(reqs, depths):
             r.num_output_tokens += 1
             committed += 1
@@ -662,6 +667,7 @@ def _simulated_goodput(
                     st.accepted_per_position[j] += j < accepted
                 tokens += proposed
                 committed += accepted
+                step_committed += accepted
                 per_request.append((proposed, accepted))
         target_s = (
             0.010 * (1 + 0.03 * (tokens - 1)) * rng.uniform(0.95, 1.05) * (20 if step == pause_at else 1)
@@ -669,7 +675,9 @@ def _simulated_goodput(
         draft_s = 0.0005 * max(depths)
         seconds += target_s + draft_s
         depth = max((p for p, _ in per_request), default=0)
-        policy.observe_step(StepObservation(tokens, target_s, draft_s, depth, tuple(per_request)))
+        policy.observe_step(
+            StepObservation(tokens, target_s, draft_s, depth, tuple(per_request), step_committed)
+        )
     plain = batch / (0.010 * (1 + 0.03 * (batch - 1)))
     return committed / seconds / plain, policy
 
@@ -701,6 +709,108 @@ def test_goodput_cost_calibration_stops_drafts_the_cost_model_prices_low():
     assert not frozen.calibrate_costs and frozen.cost_calibration == 1.0
     for bad in ({"calibrate_costs": 1}, {"cost_calibration_weight": 0}, {"cost_calibration_weight": True}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
+            build_policy("goodput", PolicyContext(4), bad)
+
+
+def test_realised_speedup_check_compares_the_arms_per_bucket():
+    from specdec.policies.speedup_check import RealisedSpeedupCheck
+
+    check = RealisedSpeedupCheck(min_steps=3, recheck_every=4, decay=1.0)
+
+    def step(batch, drafted, committed, seconds, plain_s=0.01, prefill=False):
+        check.record(batch, plain_s, drafted, prefill)
+        check.observe(committed, seconds, prefill)
+
+    assert check.allow(16)  # nothing measured
+    for _ in range(3):
+        step(16, True, 20, 0.011)  # drafting: 20 tokens in 11 ms against 16 in 10 ms predicted: 1.136
+    assert [round(a.mean, 3) for a in check.arms[16]] == [pytest.approx(float("nan"), nan_ok=True), 1.136]
+    # Drafting measured, plain not: every 4th decision a plain step, until the plain arm holds 3 steps.
+    assert [check.allow(16) for _ in range(8)] == [True, True, True, False] * 2
+    assert check.num_plain_probes == 2
+    for _ in range(3):
+        step(16, False, 16, 0.009)  # plain steps ran faster than predicted: 1.111
+    assert not check.suspended(16) and check.allow(16)  # drafting ahead: it goes on
+    for _ in range(3):
+        step(16, True, 17, 0.012)  # drafting now measured 0.885: the mean of 6 steps 1.010 < 1.111
+    assert check.suspended(16)
+    assert not check.suspended(8) and not check.suspended(32)  # other buckets are their own (9-16 is 16)
+    assert check.suspended(9) and check.suspended(10)
+    got = [check.allow(12) for _ in range(8)]
+    assert got.count(True) == 2 and check.num_rechecks == 2 and check.num_suspended == 6
+    # Steps with prompt chunks, of no tokens or with no decision recorded are not scored; a pause is
+    # clipped at half the plain prediction's speed.
+    before = [(a.total, a.weight) for a in check.arms[16]]
+    step(16, True, 40, 0.011, prefill=True)
+    check.observe(40, 0.011, False)  # no decision recorded
+    step(16, True, 0, 0.011)
+    assert [(a.total, a.weight) for a in check.arms[16]] == before
+    step(16, False, 16, 1.0)
+    assert check.arms[16][0].total == pytest.approx(before[0][0] + 0.5)
+    for kwargs, field in (
+        ({"min_steps": 0}, "min_steps"),
+        ({"min_steps": True}, "min_steps"),
+        ({"recheck_every": 1}, "recheck_every"),
+        ({"recheck_every": 2.0}, "recheck_every"),
+        ({"decay": 0}, "decay"),
+        ({"decay": 0.9, "min_steps": 11}, "never be reached"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            RealisedSpeedupCheck(**kwargs)
+
+
+def test_goodput_realised_speedup_check_stops_drafting_that_measures_slower():
+    from specdec.policies import StepObservation
+
+    # Acceptance estimates that run high (90 % at position 1 where nothing is accepted) and no calibration
+    # to correct them: the policy drafts at every step, 16 requests at depth 4, on a machine where each
+    # batched token costs 3 % of a one-token step. The check measures its drafting steps (after plain
+    # probes: a policy that always drafts has no plain steps of its own) at 0.43 of its plain steps and
+    # suspends drafting, but for a recheck at every 8th decision (which costs where drafting loses this
+    # much; on the real engine it loses a few per cent).
+    profile = [[n, 0.010 * (1 + 0.03 * (n - 1))] for n in (1, 16, 32, 64, 80)]
+    kwargs = {"step_s": profile, "calibrate": False, "calibrate_costs": False, "explore_every": 0}
+    inputs = _inputs([_stats([90, 81, 73, 66], [100] * 4)] * 16)
+    for check in (False, True):
+        extra = {"check": check, "check_min_steps": 4, "check_recheck_every": 8}
+        policy = build_policy("goodput", PolicyContext(4), {**kwargs, **extra})
+        seconds = 0.0
+        for _ in range(200):
+            depths = policy.decide(inputs)
+            step_s = 0.010 * (1 + 0.03 * (16 + sum(depths) - 1))
+            seconds += step_s
+            per_request = tuple((d, 0) for d in depths if d)
+            policy.observe_step(StepObservation(16 + sum(depths), step_s, 0.0, max(depths), per_request, 16))
+        drafting = sum(d > 0 for _, d in policy.history)
+        speed = 200 * 16 / seconds / (16 / profile[1][1])  # against plain decoding
+        if not check:
+            assert drafting == 200 and speed < 0.45
+    # 4 drafting steps, then a plain probe at every 8th decision until the plain arm weighs 4 (5 probes
+    # at decay 0.97), then suspended: 19 rechecks in the 160 decisions left.
+    check = policy.speedup_check
+    assert (check.num_plain_probes, check.num_rechecks, check.num_suspended) == (5, 19, 140)
+    assert drafting == 200 - 5 - 140 and speed > 0.7
+    # Where the policy's own cost model is off because it never saw a plain step (its profile prices
+    # drafts at a third of their cost, the simulation of the cost calibration's test, calibration off), the
+    # plain probes put it right: it stops drafting itself, 0.957 -> 0.995 of plain decoding here.
+    slow, _ = _simulated_goodput(False, 0.3)
+    speed, policy = _simulated_goodput(False, 0.3, check=True)
+    assert slow < 0.97 and speed > 0.98 and policy.speedup_check.num_plain_probes >= 1
+    # Where drafts pay (60 %) it never suspends, and the run is as fast as without it.
+    fast, policy = _simulated_goodput(True, 0.6, check=True)
+    assert policy.speedup_check.num_suspended == 0
+    assert fast == pytest.approx(_simulated_goodput(True, 0.6)[0], rel=0.02)
+    # Frozen costs (the deterministic mode): no check, as it reads measured times.
+    frozen = build_policy("goodput", PolicyContext(4), {"step_s": [[1, 0.01]], "frozen": True})
+    assert frozen.speedup_check is None
+    bad_kwargs = (
+        ({"check": 1}, "check"),
+        ({"check_min_steps": 0}, "min_steps"),
+        ({"check_recheck_every": 1}, "recheck_every"),
+        ({"check_decay": 2}, "decay"),
+    )
+    for bad, field in bad_kwargs:
+        with pytest.raises(ConfigError, match=field):
             build_policy("goodput", PolicyContext(4), bad)
 
 

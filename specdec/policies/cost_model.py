@@ -137,6 +137,8 @@ class StepCostModel:
         # observed / base: running means per token count (with the drift index they were last updated at),
         # the observed counts sorted, and the drift index; index 0 for decode / verification steps, 1 for
         # steps with prefill chunks.
+        self._memo: dict[tuple[int, bool], float] = {}  # (num_tokens, prefill) -> target_s, until observed
+        self._memo_curve: tuple[int, int, float] | None = None  # the curve the memo holds predictions of
         self._ratio: tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]]] = ({}, {})
         self._sorted_observed: list[list[int]] = [[], []]
         self._drift = [1.0, 1.0]
@@ -175,7 +177,16 @@ class StepCostModel:
         """
         if not _is_count(num_tokens):
             raise ConfigError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
-        return self._predict(int(num_tokens), prefill)
+        # A policy prices tens of candidate steps per decision over a few counts: predictions are kept
+        # until the next observation (or a new curve).
+        key = (int(num_tokens), bool(prefill))
+        if self._memo_curve != (id(self.step_s), len(self.step_s), self.prior_slope):
+            self._memo.clear()
+            self._memo_curve = (id(self.step_s), len(self.step_s), self.prior_slope)
+        seconds = self._memo.get(key)
+        if seconds is None:
+            seconds = self._memo[key] = self._predict(key[0], key[1])
+        return seconds
 
     def _predict(self, num_tokens: int, prefill: bool) -> float:
         """:meth:`target_s` for a count already checked (the calls it makes on observed counts too)."""
@@ -255,7 +266,7 @@ class StepCostModel:
             self.catch_up_s_per_token = float(catch_up_s_per_token)
         for rows, s in per_position.items():
             if isinstance(rows, int) and rows >= 1 and isinstance(s, (int, float)) and 0 < s < math.inf:
-                self._draft_buckets[_bucket(rows)] = float(s)
+                self._draft_buckets[row_bucket(rows)] = float(s)
 
     def draft_s(self, depth: int, rows: int = 1) -> float:
         """Predicted drafting seconds of a step whose deepest draft is ``depth``, drafted for ``rows``
@@ -271,7 +282,7 @@ class StepCostModel:
     def _per_position(self, rows: int) -> float:
         if not self._draft_buckets:
             return self.draft_s_per_position
-        b = _bucket(rows)
+        b = row_bucket(rows)
         if b in self._draft_buckets:
             return self._draft_buckets[b]
         below = [n for n in self._draft_buckets if n < b]
@@ -293,6 +304,7 @@ class StepCostModel:
         ``catch_up_s`` / ``catch_up_tokens``: the drafter's catch-up forwards of the step."""
         if self.frozen:
             return
+        self._memo.clear()
         if catch_up_tokens > 0 and 0 < catch_up_s < math.inf:
             per = catch_up_s / catch_up_tokens
             old = self.catch_up_s_per_token
@@ -327,7 +339,7 @@ class StepCostModel:
         ratio[num_tokens] = (mean, self._drift[kind])
         if depth > 0 and 0 <= draft_s < math.inf:
             per = draft_s / depth
-            b, d = _bucket(max(1, draft_rows)), self.decay
+            b, d = row_bucket(max(1, draft_rows)), self.decay
             if b in self._draft_buckets:
                 self._draft_buckets[b] = (1 - d) * self._draft_buckets[b] + d * per
             elif self._draft_given:  # a given cost is a prior to correct
@@ -347,7 +359,7 @@ def _is_count(n: Any) -> bool:
     return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
 
 
-def _bucket(rows: int) -> int:
+def row_bucket(rows: int) -> int:
     """The power of two at or above ``rows`` (>= 1)."""
     return 1 << max(0, rows - 1).bit_length()
 

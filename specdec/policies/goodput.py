@@ -66,12 +66,14 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 from specdec.errors import ConfigError
 from specdec.policies.base import PolicyBase, PolicyContext, PolicyInput, StepObservation
 from specdec.policies.cost_model import cost_model_from_kwargs
 from specdec.policies.registry import register_policy
+from specdec.policies.speedup_check import RealisedSpeedupCheck
 
 #: Decisions kept in ``history``, and requests the exploration clock remembers.
 HISTORY = 4096
@@ -115,6 +117,11 @@ class GoodputPolicy(PolicyBase):
             the costs are frozen).
         cost_calibration_weight: pseudo plain steps of extra seconds (realised = predicted) that ratio
             starts from (> 0).
+        check: suspend drafting in the batch sizes where the policy's drafting steps measured slower
+            than its plain steps (:class:`~specdec.policies.speedup_check.RealisedSpeedupCheck`; off when
+            the costs are frozen, as it reads measured times).
+        check_min_steps, check_recheck_every, check_decay: the check's ``min_steps``, ``recheck_every``
+            and ``decay``.
         margin: a step drafts only where its expected rate beats the plain step's by this fraction
             (>= 0; probes aside). The expectations are estimates: where drafting barely pays, their
             errors decide, and they erred towards drafting (n-gram at 16 HumanEval requests: goodput
@@ -142,6 +149,10 @@ class GoodputPolicy(PolicyBase):
         margin: float = 0.03,
         calibrate_costs: bool = True,
         cost_calibration_weight: float = 1.0,
+        check: bool = True,
+        check_min_steps: float = 8.0,
+        check_recheck_every: int = 16,
+        check_decay: float = 0.97,
     ) -> None:
         if not isinstance(prior_acceptance, (int, float)) or not 0 <= prior_acceptance <= 1:
             raise ConfigError(f"goodput policy: prior_acceptance must be in [0, 1], got {prior_acceptance!r}")
@@ -161,6 +172,12 @@ class GoodputPolicy(PolicyBase):
             raise ConfigError(
                 f"goodput policy: cost_calibration_weight must be > 0, got {cost_calibration_weight!r}"
             )
+        if not isinstance(check, bool):
+            raise ConfigError(f"goodput policy: check must be a boolean, got {check!r}")
+        try:
+            speedup_check = RealisedSpeedupCheck(check_min_steps, check_recheck_every, check_decay)
+        except ConfigError as e:
+            raise ConfigError(f"goodput policy: {e}") from None
         if not isinstance(charge_catch_up, bool):
             raise ConfigError(f"goodput policy: charge_catch_up must be a boolean, got {charge_catch_up!r}")
         if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < math.inf:
@@ -204,6 +221,8 @@ class GoodputPolicy(PolicyBase):
         self._cost_pending: tuple[float, int] | None = None
         self._extra_predicted = 0.0
         self._extra_realised = 0.0
+        #: The realised-speedup check (None: off, or the costs are frozen).
+        self.speedup_check = speedup_check if check and not self.costs.frozen else None
 
     @property
     def calibration(self) -> float:
@@ -372,6 +391,16 @@ class GoodputPolicy(PolicyBase):
         return out
 
     def decide(self, batch: list[PolicyInput]) -> list[int]:
+        # The step's tokens without drafts (prefill chunks included; else one per request).
+        base = batch[0].num_scheduled_tokens or batch[0].batch_size
+        size = batch[0].batch_size
+        prefill = base > size  # prompt chunks in the step
+        check = self.speedup_check
+        if check is not None and not check.allow(size):  # drafting measured slower here: no decision
+            check.record(size, self.costs.target_s(base, prefill), False, prefill)
+            self._cost_pending = None
+            self.history.append((size, 0))
+            return [0] * len(batch)
         if self.calibrate:
             self._settle(batch)
         scale = self.calibration
@@ -379,12 +408,16 @@ class GoodputPolicy(PolicyBase):
         alphas = self._batch_acceptance(batch, population)
         # gains[r][d]: request r's expected committed tokens with d drafts, its expected accepted tokens
         # scaled by the calibration and capped at d.
-        gains = [[1.0] + [1 + min(d, scale * sum(a[:d])) for d in range(1, self.k + 1)] for a in alphas]
-        # The step's tokens without drafts (prefill chunks included; else one per request).
-        base = batch[0].num_scheduled_tokens or batch[0].batch_size
-        others = batch[0].batch_size - len(batch)  # requests that do not draft: about one token each
-        prefill = base > batch[0].batch_size  # prompt chunks in the step
-        size = batch[0].batch_size
+        # (computed once per distinct estimate: requests with the same history share their list)
+        by_estimate: dict[int, list[float]] = {}
+        gains = []
+        for a in alphas:
+            g = by_estimate.get(id(a))
+            if g is None:
+                expected = enumerate(accumulate(a), 1)  # (d, q_1 + ... + q_d)
+                g = by_estimate[id(a)] = [1.0] + [1 + min(d, scale * q) for d, q in expected]
+            gains.append(g)
+        others = size - len(batch)  # requests that do not draft: about one token each
         value = size / self.costs.target_s(size) if prefill else None
         charge = self.charges(batch)
 
@@ -404,9 +437,8 @@ class GoodputPolicy(PolicyBase):
                 best, best_gain, best_extra, best_rate = depths, gain, extra, rate
         # Then each request's drafts alone, least promising first: dropped where the step does better
         # without them.
-        for r in sorted(range(len(batch)), key=lambda r: gains[r][best[r]] / (1 + best[r])):
-            if best[r] == 0:
-                continue
+        drafting = [r for r in range(len(batch)) if best[r]]
+        for r in sorted(drafting, key=lambda r: gains[r][best[r]] / (1 + best[r])):
             trial = best[:r] + [0] + best[r + 1 :]
             gain = best_gain - gains[r][best[r]] + 1
             extra = best_extra - charge[r] * gains[r][best[r]]
@@ -428,7 +460,9 @@ class GoodputPolicy(PolicyBase):
             )
         if self.calibrate_costs:  # the plain step's seconds this step's extra seconds are counted from
             self._cost_pending = (self.costs.target_s(base), base) if any(best) and not prefill else None
-        self.history.append((batch[0].batch_size, max(best, default=0)))
+        if check is not None:
+            check.record(size, self.costs.target_s(base, prefill), any(best), prefill)
+        self.history.append((size, max(best, default=0)))
         return best
 
     def _remember(self, x: PolicyInput, q: list[float]) -> None:
@@ -560,6 +594,9 @@ class GoodputPolicy(PolicyBase):
         """Fold a step's times and acceptance into the cost model, the cost calibration and the
         population prior."""
         pending, self._cost_pending = self._cost_pending, None
+        if self.speedup_check is not None:
+            seconds = step.target_s + step.draft_s + step.catch_up_s
+            self.speedup_check.observe(step.num_committed, seconds, step.prefill)
         if self.calibrate_costs and not step.prefill:
             # Every decode step ages the evidence, drafting or not: a calibration that stopped drafting
             # drifts back towards 1 and drafting is tried again, so one slow step cannot end it for good.
