@@ -5,6 +5,7 @@ control that must fail) under a policy that varies the depth."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import zlib
 
@@ -554,6 +555,25 @@ def test_goodput_decides_a_large_batch_that_cannot_draft_in_linear_time(monkeypa
     assert len(calls) == 1 + 4 + 1 + 1 + 3  # plain, k = 1..4, the step so far, all together, 3 probes
 
 
+def test_cost_model_predictions_are_kept_until_the_next_observation():
+    from specdec.policies.cost_model import StepCostModel
+
+    model = StepCostModel(step_s={1: 0.01, 8: 0.02})
+    first = model.target_s(4)
+    assert model.target_s(4) == first == pytest.approx(0.01 + 3 / 7 * 0.01)
+    model.observe(4, 0.03, 0, 0.0)  # a step dearer than predicted: the prediction moves at once
+    assert model.target_s(4) > first
+    model.set_base({1: 0.02, 8: 0.04})
+    assert model.target_s(4) == pytest.approx(2 * first)
+    model.step_s = {1: 0.01, 8: 0.02}  # a curve replaced outright
+    assert model.target_s(4) == pytest.approx(first)
+    model.step_s[2] = 0.011  # grown
+    assert model.target_s(2) == 0.011
+    frozen = StepCostModel(step_s={1: 0.01, 8: 0.02}, frozen=True)
+    frozen.observe(4, 0.03, 0, 0.0)
+    assert frozen.target_s(4) == pytest.approx(first)
+
+
 def test_cost_model_follows_a_replaced_or_grown_base_curve():
     from specdec.policies.cost_model import StepCostModel
 
@@ -717,46 +737,89 @@ def test_realised_speedup_check_compares_the_arms_per_bucket():
 
     check = RealisedSpeedupCheck(min_steps=3, recheck_every=4, decay=1.0)
 
-    def step(batch, drafted, committed, seconds, plain_s=0.01, prefill=False):
-        check.record(batch, plain_s, drafted, prefill)
-        check.observe(committed, seconds, prefill)
+    def step(batch, drafting, plain=(16, 0.009), prefill=False):
+        """One step that wants to draft: the verdict, the decision (drafted where the verdict let it) and
+        the measurement, ``drafting`` or ``plain`` (tokens, seconds) as it went."""
+        verdict = check.allow(batch, prefill)
+        check.record(batch, 0.01, verdict, prefill)
+        committed, seconds = drafting if verdict else plain
+        check.observe(committed, seconds, 0.0, prefill, verdict)
+        return verdict
 
-    assert check.allow(16)  # nothing measured
-    for _ in range(3):
-        step(16, True, 20, 0.011)  # drafting: 20 tokens in 11 ms against 16 in 10 ms predicted: 1.136
+    assert step(16, (20, 0.011))  # nothing measured: drafting goes through
+    for _ in range(2):
+        step(16, (20, 0.011))  # drafting: 20 tokens in 11 ms against 16 in 10 ms predicted: 1.136
     assert [round(a.mean, 3) for a in check.arms[16]] == [pytest.approx(float("nan"), nan_ok=True), 1.136]
-    # Drafting measured, plain not: every 4th decision a plain step, until the plain arm holds 3 steps.
-    assert [check.allow(16) for _ in range(8)] == [True, True, True, False] * 2
-    assert check.num_plain_probes == 2
-    for _ in range(3):
-        step(16, False, 16, 0.009)  # plain steps ran faster than predicted: 1.111
-    assert not check.suspended(16) and check.allow(16)  # drafting ahead: it goes on
-    for _ in range(3):
-        step(16, True, 17, 0.012)  # drafting now measured 0.885: the mean of 6 steps 1.010 < 1.111
+    # Drafting measured, plain not: every 4th decision of the bucket (counted from its first measured
+    # step) a plain step (16 tokens in 9 ms: 1.111), until the plain arm holds 3 steps.
+    got = [step(16, (20, 0.011)) for _ in range(12)]
+    assert [i for i, v in enumerate(got) if not v] == [1, 5, 9] and check.num_plain_probes == 3
+    assert not check.suspended(16) and step(16, (20, 0.011))  # drafting ahead (1.136): it goes on
+    for _ in range(9):
+        step(16, (17, 0.012))  # drafting now measured 0.885: the mean of 21 steps 1.039 < 1.111
     assert check.suspended(16)
     assert not check.suspended(8) and not check.suspended(32)  # other buckets are their own (9-16 is 16)
     assert check.suspended(9) and check.suspended(10)
-    got = [check.allow(12) for _ in range(8)]
-    assert got.count(True) == 2 and check.num_rechecks == 2 and check.num_suspended == 6
-    # Steps with prompt chunks, of no tokens or with no decision recorded are not scored; a pause is
-    # clipped at half the plain prediction's speed.
-    before = [(a.total, a.weight) for a in check.arms[16]]
-    step(16, True, 40, 0.011, prefill=True)
-    check.observe(40, 0.011, False)  # no decision recorded
-    step(16, True, 0, 0.011)
-    assert [(a.total, a.weight) for a in check.arms[16]] == before
-    step(16, False, 16, 1.0)
-    assert check.arms[16][0].total == pytest.approx(before[0][0] + 0.5)
+    counts = (check.num_rechecks, check.num_suspended)
+    got = [step(12, (17, 0.012), plain=(12, 0.0075)) for _ in range(8)]  # suspended: plain steps (1.0)
+    assert got.count(True) == 2
+    assert (check.num_rechecks, check.num_suspended) == (counts[0] + 2, counts[1] + 6)
+    # A step with prompt chunks follows the suspension without advancing the count of decisions (so it
+    # neither rechecks nor probes) and is not scored; nor are steps of no tokens, a step recorded plain
+    # that verified drafts (a grammar's forced drafts), or a step with no decision recorded.
+    before = ([(a.total, a.weight) for a in check.arms[16]], dict(check._decisions))
+    assert not any(step(16, (40, 0.011), plain=(40, 0.011), prefill=True) for _ in range(8))
+    assert dict(check._decisions) == before[1]
+    step(16, (0, 0.011), plain=(0, 0.011))
+    check.record(16, 0.01, False, False)
+    check.observe(16, 0.01, 0.0, False, True)
+    check.observe(16, 0.01, 0.0, False, False)
+    assert [(a.total, a.weight) for a in check.arms[16]] == before[0]
+    # A pause is clipped at half the plain prediction's speed.
+    check.record(16, 0.01, False, False)
+    check.observe(16, 1.0, 0.0, False, False)
+    assert check.arms[16][0].total == pytest.approx(before[0][0][0] + 0.5)
+    # The catch-up a lazy drafter was expected to pay (its backlog) comes out of the drafting seconds.
+    other = RealisedSpeedupCheck(min_steps=1, recheck_every=4, decay=1.0)
+    other.allow(4)
+    other.record(4, 0.01, True, False, catch_up_s=0.004)
+    other.observe(6, 0.01, 0.005, False, True)  # 6 tokens in 10 ms + 5 ms of drafting, 4 of it catch-up
+    assert other.arms[4][1].mean == pytest.approx(6 / 0.011 / (4 / 0.01))
+    # Asked request by request within one step (a policy whose batch call raised): one verdict, one
+    # decision, drafted if any request drafted.
+    verdicts = [other.allow(4) for _ in range(5)]
+    other.record(4, 0.01, False, False)
+    other.record(4, 0.01, True, False)
+    other.record(4, 0.01, False, False)
+    other.observe(4, 0.01, 0.0, False, True)
+    assert len(set(verdicts)) == 1 and other.arms[4][1].weight == 2 and other._decisions[4] == 1  # one step
     for kwargs, field in (
         ({"min_steps": 0}, "min_steps"),
         ({"min_steps": True}, "min_steps"),
         ({"recheck_every": 1}, "recheck_every"),
         ({"recheck_every": 2.0}, "recheck_every"),
         ({"decay": 0}, "decay"),
-        ({"decay": 0.9, "min_steps": 11}, "never be reached"),
+        ({"decay": 0.9, "min_steps": 10}, "not reached in 200 steps"),  # its weight stays below 10
     ):
         with pytest.raises(ConfigError, match=field):
             RealisedSpeedupCheck(**kwargs)
+
+
+def test_realised_speedup_check_measures_a_stale_plain_arm_again():
+    from specdec.policies.speedup_check import RealisedSpeedupCheck
+
+    # A policy that drafts at every step: its plain arm is measured by probes, then again once its newest
+    # plain step is recheck_every * min_steps = 8 decisions old.
+    check = RealisedSpeedupCheck(min_steps=2, recheck_every=4, decay=1.0)
+    got = []
+    for _ in range(40):
+        verdict = check.allow(8)
+        check.record(8, 0.01, verdict, False)
+        check.observe(10, 0.01, 0.0, False, verdict)
+        got.append(verdict)
+    plain = [i for i, v in enumerate(got) if not v]
+    assert plain[:2] == [4, 8]  # the first two probes (decisions 4 and 8 of the bucket: indices 4, 8)
+    assert all(b - a == 12 for a, b in itertools.pairwise(plain[1:]))  # then one every 12 decisions
 
 
 def test_goodput_realised_speedup_check_stops_drafting_that_measures_slower():
@@ -880,6 +943,37 @@ def test_step_costs_are_profiled_once_cached_and_keyed(setup, monkeypatch, tmp_p
     monkeypatch.delenv("SPECDEC_STEP_COSTS")  # default: beside the zoo's converted models
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "zoo"))
     assert cost_profile.cache_path() == tmp_path / "zoo" / "step_costs.json"
+
+
+def test_the_profile_spreads_each_counts_repeats_over_a_slow_spell(setup, monkeypatch):
+    # The host's slow spells outlast a count's back-to-back repeats (all 5 forwards of a 65-token step once
+    # ran at 50 ms against 33 ms). Repeats taken round-robin over the counts: a spell of 8 slow forwards
+    # (here the 9th to 16th calls, 3x dearer) meets at most two repeats of any count, and the fastest of
+    # the others is the profile. Back to back, the spell would have covered every timed repeat of the
+    # 4-token step.
+    from types import SimpleNamespace
+
+    from specdec.engine import cost_profile
+
+    spec = _spec(setup, "ngram", "goodput")
+    engine = LLM(setup["target"], skip_tokenizer_init=True, block_size=4, speculative_config=spec).engine
+    calls: list[int] = []
+    fake_clock = [0.0]
+
+    def execute(inputs):
+        n = int(inputs.input_ids.numel())
+        calls.append(n)
+        slow = 9 <= len(calls) <= 16
+        fake_clock[0] += 0.001 * n * (3 if slow else 1)
+
+    runner = SimpleNamespace(block_size=4, device=torch.device("cpu"), execute=execute)
+    counts = [1, 2, 4, 8]
+    monkeypatch.setattr(cost_profile.time, "perf_counter", lambda: fake_clock[0])
+    out = cost_profile.profile_target(engine, counts, repeats=4, runner=runner)
+    monkeypatch.undo()
+    assert calls == counts * 5  # a warm-up round, then 4 timed rounds, each over every count
+    assert out == pytest.approx({1: 0.001, 2: 0.002, 4: 0.004, 8: 0.008})
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
 def test_frozen_profiled_goodput_repeats_across_engines(setup, monkeypatch, tmp_path):

@@ -14,7 +14,9 @@ wanted (verification rows), on scratch KV blocks taken from the pool and given b
 cached prefixes; done once per engine, before its first schedule). One warm-up forward (a compiled bucket
 compiles here), then the fastest of ``repeats`` timed forwards (a forward's cost is its fastest run;
 slower ones met the host's other work: with the median of 3, a 16-token step of Qwen2.5-Coder 1.5B read
-150 ms against 125 ms in decoding, and a 5-token step cost more than an 8-token one).
+150 ms against 125 ms in decoding, and a 5-token step cost more than an 8-token one), taken round-robin
+over the counts (every count's first forward, then every count's second...), so that a slow spell of the
+host meets one repeat of several counts rather than every repeat of one.
 Then no count costs more than a larger one (a forward over fewer tokens does no
 more work): ``cost(n) = min(cost(m) for m >= n)``. This is
 the weight-bound part of a step (contexts are short); attention over long contexts, sampling and
@@ -54,7 +56,7 @@ logger = logging.getLogger("specdec.engine")
 #: Timed forwards per token count (the fastest is kept).
 REPEATS = 5
 #: The profiling method, in the cache key (a cached profile taken another way is not reused).
-PROFILE_METHOD = 2
+PROFILE_METHOD = 3
 #: Tokens of the catch-up forward a draft model is profiled with (:func:`draft_model_costs`).
 CATCH_UP_PROFILE_TOKENS = 256
 
@@ -152,33 +154,37 @@ def profile_target(
     runner = runner or engine.runner
     bs = runner.block_size
     max_seqs = max_seqs or engine.scheduler.config.max_num_seqs
-    out: dict[int, float] = {}
+    shapes: dict[int, list[int]] = {}  # count -> its sequences' new tokens
     for count in counts:
         b = min(count, max_seqs)
-        lens = [count // b + (i < count % b) for i in range(b)]
-        need = sum(-(-n // bs) for n in lens)
-        if need > pool.num_free_blocks:
-            continue
-        blocks = pool.allocate(need)
-        try:
-            segments, at = [], 0
-            for n in lens:
-                nb = -(-n // bs)
-                segments.append(Segment(blocks[at : at + nb], 0, [0] * n, n))
-                at += nb
-            inputs = build_inputs(segments, bs, runner.device)
-            run = runner.execute_with_hidden if with_hidden else runner.execute
-            times = []
-            for i in range(repeats + 1):
+        shapes[count] = [count // b + (i < count % b) for i in range(b)]
+    # Round-robin over the counts, repeat after repeat: the host's slow spells last longer than a count's
+    # back-to-back repeats (all 5 forwards of a 65-token step once ran at 50 ms against 33 ms, and the
+    # goodput policy priced 65-128-token steps on it), so each count's repeats are spread over the profile.
+    times: dict[int, list[float]] = {count: [] for count in shapes}
+    for i in range(repeats + 1):
+        for count, lens in shapes.items():
+            need = sum(-(-n // bs) for n in lens)
+            if need > pool.num_free_blocks:
+                continue
+            blocks = pool.allocate(need)
+            try:
+                segments, at = [], 0
+                for n in lens:
+                    nb = -(-n // bs)
+                    segments.append(Segment(blocks[at : at + nb], 0, [0] * n, n))
+                    at += nb
+                inputs = build_inputs(segments, bs, runner.device)
+                run = runner.execute_with_hidden if with_hidden else runner.execute
                 t0 = time.perf_counter()
                 run(inputs)
                 if runner.device.type == "cuda":
                     torch.cuda.synchronize(runner.device)
-                if i:  # the first call warms up (and compiles a bucket)
-                    times.append(time.perf_counter() - t0)
-            out[count] = min(times)
-        finally:
-            pool.free(blocks)
+                if i:  # the first round warms up (and compiles a bucket)
+                    times[count].append(time.perf_counter() - t0)
+            finally:
+                pool.free(blocks)
+    out = {count: min(ts) for count, ts in times.items() if ts}
     return monotone(out)
 
 

@@ -138,7 +138,7 @@ class StepCostModel:
         # the observed counts sorted, and the drift index; index 0 for decode / verification steps, 1 for
         # steps with prefill chunks.
         self._memo: dict[tuple[int, bool], float] = {}  # (num_tokens, prefill) -> target_s, until observed
-        self._memo_curve: tuple[int, int, float] | None = None  # the curve the memo holds predictions of
+        self._memo_curve: tuple[dict[int, float], int, float] | None = None  # the curve the memo is of
         self._ratio: tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]]] = ({}, {})
         self._sorted_observed: list[list[int]] = [[], []]
         self._drift = [1.0, 1.0]
@@ -178,11 +178,13 @@ class StepCostModel:
         if not _is_count(num_tokens):
             raise ConfigError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
         # A policy prices tens of candidate steps per decision over a few counts: predictions are kept
-        # until the next observation (or a new curve).
+        # until the next observation or a new curve (``set_base``, or a ``step_s`` replaced or grown; a
+        # value changed in place is not seen: replace the curve with ``set_base``).
         key = (int(num_tokens), bool(prefill))
-        if self._memo_curve != (id(self.step_s), len(self.step_s), self.prior_slope):
+        curve = self._memo_curve
+        if curve is None or curve[0] is not self.step_s or curve[1:] != (len(self.step_s), self.prior_slope):
             self._memo.clear()
-            self._memo_curve = (id(self.step_s), len(self.step_s), self.prior_slope)
+            self._memo_curve = (self.step_s, len(self.step_s), self.prior_slope)
         seconds = self._memo.get(key)
         if seconds is None:
             seconds = self._memo[key] = self._predict(key[0], key[1])

@@ -54,6 +54,13 @@ chunks too, are scaled by ``(realised + w) / (predicted + w)`` (``w = cost_calib
 clipped to ``[1/4, 4]``). A token tree is priced by its nodes at decision time, as the policy counts its
 drafts, and settled by the nodes it verified. Measured times, so off when the costs are frozen.
 
+Realised-speedup check (``check``): both calibrations correct one estimate each; the check compares what
+the steps did, per batch-size bucket: the decode steps the policy let draft against those it did not,
+each scored by committed tokens per second over the cost model's plain step, and suspends drafting in a
+bucket whose drafting steps measured slower, but for a recheck at every ``check_recheck_every``-th
+decision (:class:`~specdec.policies.speedup_check.RealisedSpeedupCheck`). A suspended step skips the
+decision. Measured times, so off when the costs are frozen.
+
 Exact: the depth is decided from committed history and costs before the step's drafts exist. With
 ``frozen=True`` the costs are fixed (given as ``step_s``, or the profiled / cached ones) and decisions
 depend on the token history alone, so seeded runs over the same costs repeat exactly; otherwise they
@@ -177,7 +184,7 @@ class GoodputPolicy(PolicyBase):
         try:
             speedup_check = RealisedSpeedupCheck(check_min_steps, check_recheck_every, check_decay)
         except ConfigError as e:
-            raise ConfigError(f"goodput policy: {e}") from None
+            raise ConfigError(f"goodput policy: check_{e}") from None
         if not isinstance(charge_catch_up, bool):
             raise ConfigError(f"goodput policy: charge_catch_up must be a boolean, got {charge_catch_up!r}")
         if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < math.inf:
@@ -396,7 +403,7 @@ class GoodputPolicy(PolicyBase):
         size = batch[0].batch_size
         prefill = base > size  # prompt chunks in the step
         check = self.speedup_check
-        if check is not None and not check.allow(size):  # drafting measured slower here: no decision
+        if check is not None and not check.allow(size, prefill):  # drafting measured slower: no decision
             check.record(size, self.costs.target_s(base, prefill), False, prefill)
             self._cost_pending = None
             self.history.append((size, 0))
@@ -461,7 +468,9 @@ class GoodputPolicy(PolicyBase):
         if self.calibrate_costs:  # the plain step's seconds this step's extra seconds are counted from
             self._cost_pending = (self.costs.target_s(base), base) if any(best) and not prefill else None
         if check is not None:
-            check.record(size, self.costs.target_s(base, prefill), any(best), prefill)
+            per_token = self.costs.catch_up_s_per_token  # the granted requests' backlogs, read lazily
+            catch_up_s = per_token * sum(x.draft_backlog for x, d in zip(batch, best) if d)
+            check.record(size, self.costs.target_s(base, prefill), any(best), prefill, catch_up_s)
         self.history.append((size, max(best, default=0)))
         return best
 
@@ -595,8 +604,11 @@ class GoodputPolicy(PolicyBase):
         population prior."""
         pending, self._cost_pending = self._cost_pending, None
         if self.speedup_check is not None:
-            seconds = step.target_s + step.draft_s + step.catch_up_s
-            self.speedup_check.observe(step.num_committed, seconds, step.prefill)
+            # all of the drafting, catch-up included: the check takes out the catch-up it was told to expect
+            drafting_s = step.draft_s + step.catch_up_s
+            self.speedup_check.observe(
+                step.num_committed, step.target_s, drafting_s, step.prefill, step.max_depth > 0
+            )
         if self.calibrate_costs and not step.prefill:
             # Every decode step ages the evidence, drafting or not: a calibration that stopped drafting
             # drifts back towards 1 and drafting is tried again, so one slow step cannot end it for good.

@@ -12,7 +12,11 @@ plain prediction is shared by both arms). Where both arms hold ``min_steps`` (de
 drafting arm's mean score is below the plain arm's, drafting is suspended in that bucket: the policy
 drafts nothing there, except at every ``recheck_every``-th decision, which goes through unchanged so
 that the drafting arm's evidence renews (acceptance changes with the text). A policy that drafts at
-every step is given a plain step at every ``recheck_every``-th decision until its plain arm is measured.
+every step is given a plain step at every ``recheck_every``-th decision until its plain arm is measured,
+and again whenever the plain arm's newest step is ``recheck_every * min_steps`` decisions old. A lazy
+drafter's catch-up on the backlog of the steps it did not draft in is taken out of a drafting step's
+seconds (at the cost model's predicted seconds per token), so that a suspension does not make its own
+rechecks look slow. Steps with prompt chunks are not scored (they follow their bucket's suspension).
 It is a two-armed comparison with forced exploration, as in the bandit formulations of adaptive
 speculation (BanditSpec, Hou et al. 2025), taken at the level of the whole step, whose measured seconds
 include everything the cost model leaves out (drafting, verification, bookkeeping).
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 from specdec.errors import ConfigError
 from specdec.policies.cost_model import row_bucket
 
+#: ``min_steps`` must be reachable within this many steps of an arm.
+REACH_STEPS = 200
 #: A step's score is clipped to this factor of 1 either way: a pause (a garbage-collector pass of
 #: 160-350 ms among 25-40 ms steps) must not decide an arm on its own.
 SCORE_CLIP = 2.0
@@ -67,25 +73,29 @@ class RealisedSpeedupCheck:
     def __init__(self, min_steps: float = 8.0, recheck_every: int = 16, decay: float = 0.97) -> None:
         number = isinstance(min_steps, (int, float)) and not isinstance(min_steps, bool)
         if not number or not 1 <= min_steps < math.inf:
-            raise ConfigError(f"check_min_steps must be a number >= 1, got {min_steps!r}")
+            raise ConfigError(f"min_steps must be a number >= 1, got {min_steps!r}")
         if type(recheck_every) is not int or recheck_every < 2:
-            raise ConfigError(f"check_recheck_every must be an integer >= 2, got {recheck_every!r}")
+            raise ConfigError(f"recheck_every must be an integer >= 2, got {recheck_every!r}")
         if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0 < decay <= 1:
-            raise ConfigError(f"check_decay must be in (0, 1], got {decay!r}")
-        if decay < 1 and min_steps > 1 / (1 - decay):
+            raise ConfigError(f"decay must be in (0, 1], got {decay!r}")
+        reachable = REACH_STEPS if decay == 1 else (1 - decay**REACH_STEPS) / (1 - decay)
+        if min_steps > reachable:
             raise ConfigError(
-                f"check_min_steps {min_steps} can never be reached: an arm's decayed weight stays below "
-                f"1 / (1 - check_decay) = {1 / (1 - decay):.1f}"
+                f"min_steps {min_steps} is not reached in {REACH_STEPS} steps of an arm at decay {decay} "
+                f"(its weight then: {reachable:.2f})"
             )
         self.min_steps = float(min_steps)
         self.recheck_every = recheck_every
         self.decay = float(decay)
         #: bucket -> (plain arm, drafting arm)
         self.arms: dict[int, tuple[_Arm, _Arm]] = {}
-        self._decisions: dict[int, int] = {}  # bucket -> decisions taken once it had an arm measured
-        #: (bucket, requests, predicted plain seconds, whether drafts were granted) of the latest decision
-        #: not observed yet.
-        self._pending: tuple[int, int, float, bool] | None = None
+        self._decisions: dict[int, int] = {}  # bucket -> decode decisions since it had an arm measured
+        self._plain_seen: dict[int, int] = {}  # bucket -> its decision count at the plain arm's newest step
+        #: The step's verdict (:meth:`allow`) and its decision (:meth:`record`: bucket, requests,
+        #: predicted plain seconds, predicted catch-up seconds, whether drafts were granted) until
+        #: :meth:`observe` scores the step.
+        self._verdict: bool | None = None
+        self._pending: tuple[int, int, float, float, bool] | None = None
         #: Decisions suspended, let through as rechecks, and made plain steps to measure the plain arm
         #: (for the metrics and tests).
         self.num_suspended = 0
@@ -105,42 +115,76 @@ class RealisedSpeedupCheck:
             and drafting.mean < plain.mean
         )
 
-    def allow(self, batch_size: int) -> bool:
+    def allow(self, batch_size: int, prefill: bool = False) -> bool:
         """Whether the policy's decision for a step of ``batch_size`` requests goes through (True) or the
-        step drafts nothing (False). Call once per decision. Suspended: every ``recheck_every``-th
-        decision of the bucket goes through. A bucket whose drafting arm is measured but whose plain arm
-        is not (a policy that drafts at every step) gets a plain step at every ``recheck_every``-th
-        decision until it is: once per bucket, as an arm's weight decays only with its own steps."""
+        step drafts nothing (False). Suspended: every ``recheck_every``-th decode decision of the bucket
+        goes through. A bucket whose drafting arm is measured but whose plain arm is not, or not for
+        ``recheck_every * min_steps`` decisions (a policy that drafts at every step), gets a plain step at
+        every ``recheck_every``-th decision until it is. A step with prompt chunks (``prefill``) is not
+        scored: it is suspended with its bucket, and neither rechecks nor probes. The verdict holds for
+        the step (a policy asked request by request, after its batch call raised, asks again) until
+        :meth:`observe`."""
+        if self._verdict is not None:
+            return self._verdict
         b = row_bucket(batch_size)
         arms = self.arms.get(b)
         if arms is None:
-            return True
-        n = self._decisions[b] = self._decisions.get(b, 0) + 1
-        due = n % self.recheck_every == 0
-        plain, drafting = arms
-        if drafting.weight >= self.min_steps and plain.weight < self.min_steps:
-            self.num_plain_probes += due
-            return not due
-        if not self.suspended(batch_size):
-            return True
-        self.num_rechecks += due
-        self.num_suspended += not due
-        return due
+            verdict = True
+        elif prefill:
+            verdict = not self.suspended(batch_size)
+        else:
+            n = self._decisions[b] = self._decisions.get(b, 0) + 1
+            due = n % self.recheck_every == 0
+            plain, drafting = arms
+            stale = n - self._plain_seen.get(b, 0) > self.recheck_every * self.min_steps
+            if drafting.weight >= self.min_steps and (plain.weight < self.min_steps or stale):
+                self.num_plain_probes += due
+                verdict = not due
+            elif not self.suspended(batch_size):
+                verdict = True
+            else:
+                self.num_rechecks += due
+                self.num_suspended += not due
+                verdict = due
+        self._verdict = verdict
+        return verdict
 
-    def record(self, batch_size: int, plain_s: float, drafted: bool, prefill: bool) -> None:
+    def record(
+        self, batch_size: int, plain_s: float, drafted: bool, prefill: bool, catch_up_s: float = 0.0
+    ) -> None:
         """The decision just taken: ``batch_size`` requests, the cost model's seconds ``plain_s`` for the
-        step without drafts, whether it granted any drafts. Steps with prompt chunks are not scored."""
+        step without drafts, whether it granted any drafts, and the predicted seconds of the drafter's
+        catch-up on the granted requests' backlogs (``catch_up_s``; taken out of the step's drafting
+        seconds: a lazy drafter reads the tokens of the steps it did not draft in, and a suspension must
+        not make its rechecks look slow). Steps with prompt chunks are not scored. Several calls before
+        :meth:`observe` (a policy asked request by request) make one decision: drafted if any did."""
         ok = not prefill and 0 < plain_s < math.inf and batch_size >= 1
-        self._pending = (row_bucket(batch_size), batch_size, plain_s, drafted) if ok else None
-
-    def observe(self, num_committed: int, seconds: float, prefill: bool) -> None:
-        """Score the step of the latest recorded decision: ``num_committed`` tokens in ``seconds``
-        (everything the step measured: drafting, forward, verification, commit)."""
-        pending, self._pending = self._pending, None
-        if pending is None or prefill or not 0 < seconds < math.inf or num_committed <= 0:
+        if not ok:
+            self._pending = None
             return
-        bucket, requests, plain_s, drafted = pending
+        if self._pending is not None and self._verdict is not None:  # the same step, request by request
+            _, _, _, earlier_s, earlier = self._pending
+            drafted, catch_up_s = drafted or earlier, catch_up_s + earlier_s
+        self._pending = (row_bucket(batch_size), batch_size, plain_s, catch_up_s, drafted)
+
+    def observe(
+        self, num_committed: int, target_s: float, draft_s: float, prefill: bool, drafts: bool
+    ) -> None:
+        """Score the step of the latest recorded decision: ``num_committed`` tokens in ``target_s``
+        seconds of forward, verification and commit plus ``draft_s`` of drafting (the policy's own work
+        included, the drafter's separate catch-up forwards not), less the recorded catch-up. ``drafts``:
+        the step verified drafts; a step recorded as plain that did (drafts a grammar forced) is not
+        scored."""
+        pending, self._pending, self._verdict = self._pending, None, None
+        if pending is None or prefill or num_committed <= 0:
+            return
+        bucket, requests, plain_s, catch_up_s, drafted = pending
+        seconds = target_s + max(0.0, draft_s - catch_up_s)
+        if not 0 < seconds < math.inf or (drafts and not drafted):
+            return
         score = (num_committed / seconds) / (requests / plain_s)
         score = min(SCORE_CLIP, max(1 / SCORE_CLIP, score))
         arms = self.arms.setdefault(bucket, (_Arm(), _Arm()))
         arms[int(drafted)].add(score, self.decay)
+        if not drafted:
+            self._plain_seen[bucket] = self._decisions.get(bucket, 0)
