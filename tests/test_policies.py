@@ -1146,6 +1146,36 @@ def test_slots_a_policy_leaves_unused_go_to_prompt_chunks(setup, method, policy,
         assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
+def test_goodput_drafts_nothing_in_prompt_steps_of_a_large_batch(setup):
+    # 6 prompts of 9-24 tokens, 32 tokens a step: prompts are chunked beside decoding requests. From
+    # prompt_steps_plain_from requests on, goodput drafts nothing in a step with prompt chunks (their slots
+    # lengthen the chunks); in the other steps it drafts, and the output is plain decoding's.
+    common = dict(skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=32)
+    base = _greedy(LLM(setup["target"], **common), LONG_PROMPTS)
+    kwargs = {"step_s": [[1, 0.01], [64, 0.011]], "frozen": True, "prior_acceptance": 0.9}
+    for start, expect_prompt_drafts in ((2, False), (0, True)):
+        policy_kwargs = {**kwargs, "prompt_steps_plain_from": start}
+        spec = _spec(setup, "ngram", "goodput", policy_kwargs=policy_kwargs)
+        llm = LLM(setup["target"], speculative_config=spec, **common)
+        policy = llm.engine.policy
+        seen = []
+        decide = policy.decide
+
+        def recording(batch, decide=decide, seen=seen):
+            depths = decide(batch)
+            prefill = (batch[0].num_scheduled_tokens or 0) > batch[0].batch_size
+            seen.append((prefill, batch[0].batch_size, max(depths)))
+            return depths
+
+        policy.decide = recording
+        assert _greedy(llm, LONG_PROMPTS) == base
+        prompt_steps = [d for prefill, size, d in seen if prefill and size >= 2]
+        assert prompt_steps and any(prompt_steps) == expect_prompt_drafts
+        assert any(d for prefill, _, d in seen if not prefill)  # decode steps draft either way
+    with pytest.raises(ConfigError, match="prompt_steps_plain_from"):
+        build_policy("goodput", PolicyContext(4), {"prompt_steps_plain_from": True})
+
+
 @register_policy("test_late")
 class LatePolicy:
     """No drafts until a request has written 12 tokens, then all it may."""
