@@ -559,10 +559,15 @@ def test_cost_model_predictions_are_kept_until_the_next_observation():
     from specdec.policies.cost_model import StepCostModel
 
     model = StepCostModel(step_s={1: 0.01, 8: 0.02})
+    calls = []
+    predict = model._predict
+    model._predict = lambda n, prefill: calls.append(n) or predict(n, prefill)
     first = model.target_s(4)
-    assert model.target_s(4) == first == pytest.approx(0.01 + 3 / 7 * 0.01)
+    assert [model.target_s(4) for _ in range(3)] == [first] * 3 and calls == [4]  # predicted once
+    assert first == pytest.approx(0.01 + 3 / 7 * 0.01)
     model.observe(4, 0.03, 0, 0.0)  # a step dearer than predicted: the prediction moves at once
-    assert model.target_s(4) > first
+    before = len(calls)
+    assert model.target_s(4) == model.target_s(4) > first and len(calls) == before + 1
     model.set_base({1: 0.02, 8: 0.04})
     assert model.target_s(4) == pytest.approx(2 * first)
     model.step_s = {1: 0.01, 8: 0.02}  # a curve replaced outright
@@ -787,12 +792,20 @@ def test_realised_speedup_check_compares_the_arms_per_bucket():
     assert other.arms[4][1].mean == pytest.approx(6 / 0.011 / (4 / 0.01))
     # Asked request by request within one step (a policy whose batch call raised): one verdict, one
     # decision, drafted if any request drafted.
-    verdicts = [other.allow(4) for _ in range(5)]
+    for _ in range(5):
+        other.allow(4)
+    other.record(4, 0.01, False, False, catch_up_s=0.001)
+    other.record(4, 0.01, True, False, catch_up_s=0.002)
     other.record(4, 0.01, False, False)
+    assert other._pending[3:] == (pytest.approx(0.003), True)  # the catch-ups summed, drafted
+    other.observe(4, 0.01, 0.003, False, True)
+    assert other.arms[4][1].weight == 2 and other._decisions[4] == 1  # one step, one decision
+    # A step left unobserved (its requests all failed while drafting, or observe_step no longer called)
+    # does not carry its verdict or decision into the next: the policy begins each step afresh.
+    other.allow(4)
     other.record(4, 0.01, True, False)
-    other.record(4, 0.01, False, False)
-    other.observe(4, 0.01, 0.0, False, True)
-    assert len(set(verdicts)) == 1 and other.arms[4][1].weight == 2 and other._decisions[4] == 1  # one step
+    other.begin_step()
+    assert other._verdict is None and other._pending is None
     for kwargs, field in (
         ({"min_steps": 0}, "min_steps"),
         ({"min_steps": True}, "min_steps"),
@@ -820,6 +833,26 @@ def test_realised_speedup_check_measures_a_stale_plain_arm_again():
     plain = [i for i, v in enumerate(got) if not v]
     assert plain[:2] == [4, 8]  # the first two probes (decisions 4 and 8 of the bucket: indices 4, 8)
     assert all(b - a == 12 for a, b in itertools.pairwise(plain[1:]))  # then one every 12 decisions
+
+
+def test_a_stale_plain_arm_does_not_lift_a_suspension():
+    from specdec.policies.speedup_check import RealisedSpeedupCheck
+
+    # Suspended, and its plain steps not scored (each verified drafts a grammar forced): the plain arm
+    # goes stale, and a probe for it must not let drafting through at the other decisions.
+    check = RealisedSpeedupCheck(min_steps=2, recheck_every=4, decay=1.0)
+    for drafted, committed in ((True, 10), (True, 10), (False, 16), (False, 16)):
+        check.allow(16)
+        check.record(16, 0.01, drafted, False)
+        check.observe(committed, 0.01, 0.0, False, drafted)
+    assert check.suspended(16)
+    got = []
+    for _ in range(200):
+        verdict = check.allow(16)
+        check.record(16, 0.01, verdict, False)
+        check.observe(16, 0.01, 0.0, False, True)  # forced drafts in the plain steps: not scored
+        got.append(verdict)
+    assert check.suspended(16) and sum(got) == 50  # only the rechecks (every 4th decision) drafted
 
 
 def test_goodput_realised_speedup_check_stops_drafting_that_measures_slower():
@@ -968,7 +1001,7 @@ def test_the_profile_spreads_each_counts_repeats_over_a_slow_spell(setup, monkey
 
     runner = SimpleNamespace(block_size=4, device=torch.device("cpu"), execute=execute)
     counts = [1, 2, 4, 8]
-    monkeypatch.setattr(cost_profile.time, "perf_counter", lambda: fake_clock[0])
+    monkeypatch.setattr(cost_profile, "time", SimpleNamespace(perf_counter=lambda: fake_clock[0]))
     out = cost_profile.profile_target(engine, counts, repeats=4, runner=runner)
     monkeypatch.undo()
     assert calls == counts * 5  # a warm-up round, then 4 timed rounds, each over every count

@@ -16,7 +16,8 @@ compiles here), then the fastest of ``repeats`` timed forwards (a forward's cost
 slower ones met the host's other work: with the median of 3, a 16-token step of Qwen2.5-Coder 1.5B read
 150 ms against 125 ms in decoding, and a 5-token step cost more than an 8-token one), taken round-robin
 over the counts (every count's first forward, then every count's second...), so that a slow spell of the
-host meets one repeat of several counts rather than every repeat of one.
+host meets one repeat of several counts rather than every repeat of one. The scratch blocks are one
+allocation, as many as the largest count needs (the evicted cached prefixes no more).
 Then no count costs more than a larger one (a forward over fewer tokens does no
 more work): ``cost(n) = min(cost(m) for m >= n)``. This is
 the weight-bound part of a step (contexts are short); attention over long contexts, sampling and
@@ -161,29 +162,32 @@ def profile_target(
     # Round-robin over the counts, repeat after repeat: the host's slow spells last longer than a count's
     # back-to-back repeats (all 5 forwards of a 65-token step once ran at 50 ms against 33 ms, and the
     # goodput policy priced 65-128-token steps on it), so each count's repeats are spread over the profile.
-    times: dict[int, list[float]] = {count: [] for count in shapes}
-    for i in range(repeats + 1):
-        for count, lens in shapes.items():
-            need = sum(-(-n // bs) for n in lens)
-            if need > pool.num_free_blocks:
-                continue
-            blocks = pool.allocate(need)
-            try:
+    needs = {count: sum(-(-n // bs) for n in lens) for count, lens in shapes.items()}
+    fit = {count: lens for count, lens in shapes.items() if needs[count] <= pool.num_free_blocks}
+    times: dict[int, list[float]] = {count: [] for count in fit}
+    if not fit:
+        return {}
+    # One allocation for every count (their block contents do not matter): the profile evicts no more
+    # cached prefixes than its largest count needs.
+    blocks = pool.allocate(max(needs[count] for count in fit))
+    run = runner.execute_with_hidden if with_hidden else runner.execute
+    try:
+        for i in range(repeats + 1):
+            for count, lens in fit.items():
                 segments, at = [], 0
                 for n in lens:
                     nb = -(-n // bs)
                     segments.append(Segment(blocks[at : at + nb], 0, [0] * n, n))
                     at += nb
                 inputs = build_inputs(segments, bs, runner.device)
-                run = runner.execute_with_hidden if with_hidden else runner.execute
                 t0 = time.perf_counter()
                 run(inputs)
                 if runner.device.type == "cuda":
                     torch.cuda.synchronize(runner.device)
                 if i:  # the first round warms up (and compiles a bucket)
                     times[count].append(time.perf_counter() - t0)
-            finally:
-                pool.free(blocks)
+    finally:
+        pool.free(blocks)
     out = {count: min(ts) for count, ts in times.items() if ts}
     return monotone(out)
 

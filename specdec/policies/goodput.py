@@ -418,6 +418,8 @@ class GoodputPolicy(PolicyBase):
         base = batch[0].num_scheduled_tokens or batch[0].batch_size
         size = batch[0].batch_size
         prefill = base > size  # prompt chunks in the step
+        if self.speedup_check is not None and len(batch) == batch[0].num_drafting:
+            self.speedup_check.begin_step()  # a batch call (not the engine asking request by request)
         if prefill and 0 < self.prompt_steps_plain_from <= size:  # the draft slots go to the prompts
             self._cost_pending = None
             if self.speedup_check is not None:

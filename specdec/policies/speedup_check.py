@@ -13,7 +13,8 @@ drafting arm's mean score is below the plain arm's, drafting is suspended in tha
 drafts nothing there, except at every ``recheck_every``-th decision, which goes through unchanged so
 that the drafting arm's evidence renews (acceptance changes with the text). A policy that drafts at
 every step is given a plain step at every ``recheck_every``-th decision until its plain arm is measured,
-and again whenever the plain arm's newest step is ``recheck_every * min_steps`` decisions old. A lazy
+and, unless suspended, again whenever the plain arm's newest step is ``recheck_every * min_steps``
+decisions old. A lazy
 drafter's catch-up on the backlog of the steps it did not draft in is taken out of a drafting step's
 seconds (at the cost model's predicted seconds per token), so that a suspension does not make its own
 rechecks look slow. Steps with prompt chunks are not scored (they follow their bucket's suspension).
@@ -82,7 +83,7 @@ class RealisedSpeedupCheck:
         if min_steps > reachable:
             raise ConfigError(
                 f"min_steps {min_steps} is not reached in {REACH_STEPS} steps of an arm at decay {decay} "
-                f"(its weight then: {reachable:.2f})"
+                f"(its weight then: {reachable:.4f})"
             )
         self.min_steps = float(min_steps)
         self.recheck_every = recheck_every
@@ -115,6 +116,13 @@ class RealisedSpeedupCheck:
             and drafting.mean < plain.mean
         )
 
+    def begin_step(self) -> None:
+        """A new step's decision begins: forget a verdict and a decision the last step left unobserved (a
+        step whose requests all failed while drafting, or a policy whose ``observe_step`` the engine no
+        longer calls). Call it once per step, before :meth:`allow`."""
+        self._verdict = None
+        self._pending = None
+
     def allow(self, batch_size: int, prefill: bool = False) -> bool:
         """Whether the policy's decision for a step of ``batch_size`` requests goes through (True) or the
         step drafts nothing (False). Suspended: every ``recheck_every``-th decode decision of the bucket
@@ -137,7 +145,8 @@ class RealisedSpeedupCheck:
             due = n % self.recheck_every == 0
             plain, drafting = arms
             stale = n - self._plain_seen.get(b, 0) > self.recheck_every * self.min_steps
-            if drafting.weight >= self.min_steps and (plain.weight < self.min_steps or stale):
+            unmeasured = plain.weight < self.min_steps or (stale and not self.suspended(batch_size))
+            if drafting.weight >= self.min_steps and unmeasured:
                 self.num_plain_probes += due
                 verdict = not due
             elif not self.suspended(batch_size):
@@ -172,7 +181,8 @@ class RealisedSpeedupCheck:
     ) -> None:
         """Score the step of the latest recorded decision: ``num_committed`` tokens in ``target_s``
         seconds of forward, verification and commit plus ``draft_s`` of drafting (the policy's own work
-        included, the drafter's separate catch-up forwards not), less the recorded catch-up. ``drafts``:
+        and the drafter's catch-up forwards included), less the catch-up :meth:`record` was told to
+        expect. ``drafts``:
         the step verified drafts; a step recorded as plain that did (drafts a grammar forced) is not
         scored."""
         pending, self._pending, self._verdict = self._pending, None, None
