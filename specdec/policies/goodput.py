@@ -418,17 +418,15 @@ class GoodputPolicy(PolicyBase):
         base = batch[0].num_scheduled_tokens or batch[0].batch_size
         size = batch[0].batch_size
         prefill = base > size  # prompt chunks in the step
-        if self.speedup_check is not None and len(batch) == batch[0].num_drafting:
-            self.speedup_check.begin_step()  # a batch call (not the engine asking request by request)
-        if prefill and 0 < self.prompt_steps_plain_from <= size:  # the draft slots go to the prompts
-            self._cost_pending = None
-            if self.speedup_check is not None:
-                self.speedup_check.record(size, 1.0, False, True)  # a step with prompt chunks: not scored
-            self.history.append((size, 0))
-            return [0] * len(batch)
         check = self.speedup_check
-        if check is not None and not check.allow(size, prefill):  # drafting measured slower: no decision
-            check.record(size, self.costs.target_s(base, prefill), False, prefill)
+        if check is not None and len(batch) == batch[0].num_drafting:
+            check.begin_step()  # a batch call (not the engine asking request by request)
+        # No decision: a prompt step of a large batch (its draft slots go to the prompts), or drafting
+        # measured slower here.
+        prompt_step = prefill and 0 < self.prompt_steps_plain_from <= size
+        if prompt_step or (check is not None and not check.allow(size, prefill)):
+            if check is not None:
+                check.record(size, self.costs.target_s(base, prefill), False, prefill)
             self._cost_pending = None
             self.history.append((size, 0))
             return [0] * len(batch)

@@ -14,10 +14,10 @@ drafts nothing there, except at every ``recheck_every``-th decision, which goes 
 that the drafting arm's evidence renews (acceptance changes with the text). A policy that drafts at
 every step is given a plain step at every ``recheck_every``-th decision until its plain arm is measured,
 and, unless suspended, again whenever the plain arm's newest step is ``recheck_every * min_steps``
-decisions old. A lazy
-drafter's catch-up on the backlog of the steps it did not draft in is taken out of a drafting step's
-seconds (at the cost model's predicted seconds per token), so that a suspension does not make its own
-rechecks look slow. Steps with prompt chunks are not scored (they follow their bucket's suspension).
+decisions old. A lazy drafter's catch-up on the backlog of the steps it did not draft in is taken out of
+a drafting step's seconds (at the cost model's predicted seconds per token), so that a suspension does
+not make its own rechecks look slow. Steps with prompt chunks are not scored (they follow their bucket's
+suspension).
 It is a two-armed comparison with forced exploration, as in the bandit formulations of adaptive
 speculation (BanditSpec, Hou et al. 2025), taken at the level of the whole step, whose measured seconds
 include everything the cost model leaves out (drafting, verification, bookkeeping).
@@ -92,11 +92,11 @@ class RealisedSpeedupCheck:
         self.arms: dict[int, tuple[_Arm, _Arm]] = {}
         self._decisions: dict[int, int] = {}  # bucket -> decode decisions since it had an arm measured
         self._plain_seen: dict[int, int] = {}  # bucket -> its decision count at the plain arm's newest step
-        #: The step's verdict (:meth:`allow`) and its decision (:meth:`record`: bucket, requests,
-        #: predicted plain seconds, predicted catch-up seconds, whether drafts were granted) until
-        #: :meth:`observe` scores the step.
+        #: The step's verdict (:meth:`allow`) and its decision (:meth:`record`: requests, predicted plain
+        #: seconds, predicted catch-up seconds, whether drafts were granted) until :meth:`observe` scores
+        #: the step.
         self._verdict: bool | None = None
-        self._pending: tuple[int, int, float, float, bool] | None = None
+        self._pending: tuple[int, float, float, bool] | None = None
         #: Decisions suspended, let through as rechecks, and made plain steps to measure the plain arm
         #: (for the metrics and tests).
         self.num_suspended = 0
@@ -144,12 +144,13 @@ class RealisedSpeedupCheck:
             n = self._decisions[b] = self._decisions.get(b, 0) + 1
             due = n % self.recheck_every == 0
             plain, drafting = arms
+            suspended = self.suspended(batch_size)
             stale = n - self._plain_seen.get(b, 0) > self.recheck_every * self.min_steps
-            unmeasured = plain.weight < self.min_steps or (stale and not self.suspended(batch_size))
+            unmeasured = plain.weight < self.min_steps or (stale and not suspended)
             if drafting.weight >= self.min_steps and unmeasured:
                 self.num_plain_probes += due
                 verdict = not due
-            elif not self.suspended(batch_size):
+            elif not suspended:
                 verdict = True
             else:
                 self.num_rechecks += due
@@ -172,9 +173,9 @@ class RealisedSpeedupCheck:
             self._pending = None
             return
         if self._pending is not None and self._verdict is not None:  # the same step, request by request
-            _, _, _, earlier_s, earlier = self._pending
+            _, _, earlier_s, earlier = self._pending
             drafted, catch_up_s = drafted or earlier, catch_up_s + earlier_s
-        self._pending = (row_bucket(batch_size), batch_size, plain_s, catch_up_s, drafted)
+        self._pending = (batch_size, plain_s, catch_up_s, drafted)
 
     def observe(
         self, num_committed: int, target_s: float, draft_s: float, prefill: bool, drafts: bool
@@ -182,13 +183,13 @@ class RealisedSpeedupCheck:
         """Score the step of the latest recorded decision: ``num_committed`` tokens in ``target_s``
         seconds of forward, verification and commit plus ``draft_s`` of drafting (the policy's own work
         and the drafter's catch-up forwards included), less the catch-up :meth:`record` was told to
-        expect. ``drafts``:
-        the step verified drafts; a step recorded as plain that did (drafts a grammar forced) is not
-        scored."""
+        expect. ``drafts``: the step verified drafts; a step recorded as plain that did (drafts a grammar
+        forced) is not scored."""
         pending, self._pending, self._verdict = self._pending, None, None
         if pending is None or prefill or num_committed <= 0:
             return
-        bucket, requests, plain_s, catch_up_s, drafted = pending
+        requests, plain_s, catch_up_s, drafted = pending
+        bucket = row_bucket(requests)
         seconds = target_s + max(0.0, draft_s - catch_up_s)
         if not 0 < seconds < math.inf or (drafts and not drafted):
             return
