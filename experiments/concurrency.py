@@ -20,7 +20,7 @@ A cell runs ``ceil(min_requests / c)`` rounds; a round submits ``c`` requests to
 call, continuous batching; prompts taken in order, cycling through the dataset; the prefix cache emptied
 first), greedy, ``ignore_eos`` so that every request writes ``max_tokens`` and the batch stays at c.
 With ``arrivals=closed_loop`` a cell is instead ``c`` clients, each submitting its next request when
-its last one finishes (one ``generate`` call of the cell's requests, at least ``3 c``, with the
+its last one finishes (one ``generate`` call of the cell's requests, at least ``min_rounds * c``, with the
 engine's ``max_num_seqs`` lowered to c: vLLM's ``--max-concurrency``): the batch stays at c until the
 last requests, so a request that speculation finishes early makes room for the next one, where in a
 round submitted together the batch drains and the round lasts as long as its slowest request.
@@ -55,6 +55,10 @@ Columns (``summary.json`` rows; ``concurrency.md``):
 - ``mean_depth``: the mean draft depth the policy granted per request and step (capped by the
   scheduler near ``max_tokens``); ``draft_tokens_per_step``: tokens the drafter actually proposed per
   draft step (n-gram lookup may find fewer).
+- ``calibration`` / ``cost_calibration`` (goodput rows): the policy's acceptance and cost calibrations
+  at the end of the cell's median pass; ``check_suspended`` / ``check_rechecks`` /
+  ``check_plain_probes``: its realised-speedup check's decisions in the cell, every pass's (steps it
+  suspended, let through as rechecks, made plain probes; absent where the policy has no check).
 - ``oracle_k``, ``vs_oracle``: per drafter and concurrency, the **oracle** is the best static k in
   hindsight: the highest ``tokens_per_s`` among plain decoding (k = 0) and the drafter's static rows;
   ``vs_oracle`` = a row's ``tokens_per_s`` ÷ the oracle's (the oracle's own row: 1.0). The oracle knows
@@ -145,10 +149,29 @@ class DepthRecorder:
         self._costs_given: set[str] = set()
         self.total = 0
         self.count = 0
+        self._check_start: dict[str, int] | None = None  # the check's counters when the cell began
 
     def new_cell(self) -> None:
-        """Restart the granted-depth counts (a kept policy's next cell)."""
+        """Restart the granted-depth counts (a kept policy's next cell) and note the policy's check
+        counters, so that :meth:`policy_fields` gives the cell's own."""
         self.total = self.count = 0
+        self._check_start = _check_counters(self.policy)
+
+    def policy_fields(self) -> dict[str, Any]:
+        """What the policy's self-corrections did in the cell, where it has them (goodput): its
+        acceptance and cost calibrations at the cell's end, and its realised-speedup check's decisions in
+        the cell (suspended, let through as rechecks, made plain probes). Empty for a policy without
+        them."""
+        out: dict[str, Any] = {}
+        for key in ("calibration", "cost_calibration"):
+            value = getattr(self.policy, key, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[key] = float(value)
+        now = _check_counters(self.policy)
+        if now is not None:
+            start = self._check_start or dict.fromkeys(now, 0)
+            out.update({key: now[key] - start[key] for key in now})
+        return out
 
     def _once(self, name: str, fn: Any) -> Any:
         """``fn`` (the policy's ``set_step_costs`` or ``set_draft_costs``), a no-op after its first
@@ -188,12 +211,30 @@ class DepthRecorder:
         return self.total / self.count if self.count else None
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("policy", "kept", "_costs_given"):  # not set yet (copying): no recursion
+        if name in ("policy", "kept", "_costs_given", "_check_start"):  # not set yet (copying): no recursion
             raise AttributeError(name)
         attr = getattr(self.policy, name)  # AttributeError where the policy has none, as the engine expects
         if name in ("set_step_costs", "set_draft_costs"):
             return self._once(name, attr)
         return attr
+
+
+#: Row keys of the realised-speedup check's decisions in a cell (:meth:`DepthRecorder.policy_fields`),
+#: and the check's counters they come from.
+CHECK_FIELDS = {
+    "check_suspended": "num_suspended",
+    "check_rechecks": "num_rechecks",
+    "check_plain_probes": "num_plain_probes",
+}
+
+
+def _check_counters(policy: Any) -> dict[str, int] | None:
+    """The policy's realised-speedup check's counters (row keys of :data:`CHECK_FIELDS`), or None where
+    it has no check (another policy, or goodput with the check off or frozen costs)."""
+    check = getattr(policy, "speedup_check", None)
+    if check is None:
+        return None
+    return {key: int(getattr(check, attr, 0)) for key, attr in CHECK_FIELDS.items()}
 
 
 def _policy(name: str, k: int, tree: bool, kwargs: dict[str, Any] | None) -> Any:
@@ -372,6 +413,13 @@ def _log_cell(row: dict[str, Any]) -> None:
         row["tokens_per_s"] or 0.0,
         "" if row["tau"] is None else f", tau {row['tau']:.2f}",
     )
+    if "check_suspended" in row:
+        logger.info(
+            "  check: %d suspended, %d rechecks, %d plain probes; calibration %.2f, cost calibration %.2f",
+            *(row[key] for key in CHECK_FIELDS),
+            row.get("calibration", float("nan")),
+            row.get("cost_calibration", float("nan")),
+        )
 
 
 def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -387,6 +435,11 @@ def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
         row[key] = sum(p[key] for p in passes)
     row["tokens_per_s"] = row["tokens"] / row["time_s"] if row["time_s"] > 0 else None
     row["tokens_per_s_passes"] = rates
+    for key in CHECK_FIELDS:  # the check's decisions: every pass's (or none, where a pass lacks them)
+        if all(key in p for p in passes):
+            row[key] = sum(p[key] for p in passes)
+        else:
+            row.pop(key, None)
     if all(p.get("steady_time_s") for p in passes):
         row["steady_tokens"] = sum(p["steady_tokens"] for p in passes)
         row["steady_time_s"] = sum(p["steady_time_s"] for p in passes)
@@ -457,6 +510,7 @@ def run_drafter(
                 llm.engine.policy = policy
                 cell, outputs = run_cell(llm, prompts, c, cfg.rounds(c), params, cfg.arrivals)
                 cell["mean_depth"] = policy.mean_depth
+                cell.update(policy.policy_fields())
                 cell["greedy_equal"] = outputs == plain_outputs.get(c, outputs)
                 passes[i].append(cell)
         plain_passes[c] = passes[0]

@@ -78,6 +78,7 @@ def test_concurrency_defaults(hydra_conf):
         (["static_k=[-1]"], r"static_k must list integers in \[0, 16\]"),
         (["num_speculative_tokens=0"], r"num_speculative_tokens must be an integer in \[1, 16\]"),
         (["min_requests=0"], r"min_requests must be >= 1"),
+        (["min_rounds=0"], r"min_rounds must be >= 1"),
         (["repeats=0"], r"repeats must be >= 1"),
         (["+policy_kwargs.batch_size.schedule=[[2,9]]"], r"policy_kwargs.batch_size: batch_size policy"),
         (["+policy_kwargs.ucb.c=1"], r"policy_kwargs has \['ucb'\], which policies does not list"),
@@ -199,6 +200,50 @@ def test_keep_policies_builds_one_policy_per_concurrency(
     rows = [r for r in result["rows"] if r["label"] == "goodput"]
     assert len(rows) == 2 and all(len(r["tokens_per_s_passes"]) == 3 for r in rows)
     assert all(r["greedy_equal"] is True for r in result["rows"])
+    for r in rows:  # goodput's self-corrections in its rows; the static policy has none
+        assert r["calibration"] > 0 and 0.25 <= r["cost_calibration"] <= 4
+        assert all(type(r[key]) is int and r[key] >= 0 for key in conc.CHECK_FIELDS)
+    static_rows = [r for r in result["rows"] if r["system"] == "static"]
+    assert static_rows and not any("check_suspended" in r or "calibration" in r for r in static_rows)
+
+
+def test_depth_recorder_reports_the_cells_own_check_decisions():
+    """A kept policy's check counters run on across cells: each cell's row gets what changed in it, and
+    a row merged from passes sums them; a policy without a check or calibrations reports nothing."""
+    from experiments.concurrency import CHECK_FIELDS, DepthRecorder, merge_passes
+
+    class Check:
+        num_suspended, num_rechecks, num_plain_probes = 10, 2, 1
+
+    class Policy:
+        calibration, cost_calibration = 0.8, 1.25
+        speedup_check = Check()
+
+    policy = Policy()
+    rec = DepthRecorder(policy, 2, kept=True)
+    rec.new_cell()
+    Check.num_suspended, Check.num_rechecks = 25, 3
+    first = rec.policy_fields()
+    assert first == {
+        "calibration": 0.8,
+        "cost_calibration": 1.25,
+        "check_suspended": 15,
+        "check_rechecks": 1,
+        "check_plain_probes": 0,
+    }
+    rec.new_cell()
+    Check.num_plain_probes = 4
+    second = rec.policy_fields()
+    assert [second[key] for key in CHECK_FIELDS] == [0, 0, 3]
+    passes = [
+        {"tokens": 10, "time_s": 1.0, "num_requests": 1, "rounds": 1, "tokens_per_s": 10.0, **first},
+        {"tokens": 30, "time_s": 2.0, "num_requests": 1, "rounds": 1, "tokens_per_s": 15.0, **second},
+    ]
+    merged = merge_passes(passes)
+    assert [merged[key] for key in CHECK_FIELDS] == [15, 1, 3]
+    assert DepthRecorder(object(), 1).policy_fields() == {}
+    Policy.speedup_check = None  # goodput with its check off: calibrations only
+    assert set(DepthRecorder(Policy(), 1).policy_fields()) == {"calibration", "cost_calibration"}
 
 
 def _row(drafter, system, label, c, tps, k=None):
@@ -387,6 +432,11 @@ def test_closed_loop_cells_keep_c_requests_running(hydra_conf, tiny_model_dirs, 
 
     cfg = conc_cfg(CHEAP, "arrivals=closed_loop", "min_requests=2")
     assert [cfg.rounds(c) for c in (1, 2, 4)] == [3, 3, 3]
+    assert [
+        conc_cfg(CHEAP, "arrivals=closed_loop", "min_requests=2", "min_rounds=5").rounds(c) for c in (1, 8)
+    ] == [5, 5]
+    assert conc_cfg(CHEAP, "arrivals=closed_loop", "min_requests=64", "min_rounds=5").rounds(8) == 8
+    assert conc_cfg(CHEAP, "min_requests=2", "min_rounds=5").rounds(1) == 2  # rounds arrive together
     assert conc_cfg(CHEAP, "min_requests=2").rounds(1) == 2
     with pytest.raises(ValueError, match=r"arrivals must be one of \['together', 'closed_loop'\]"):
         conc_cfg(CHEAP, "arrivals=poisson")
