@@ -56,9 +56,10 @@ Columns (``summary.json`` rows; ``concurrency.md``):
   scheduler near ``max_tokens``); ``draft_tokens_per_step``: tokens the drafter actually proposed per
   draft step (n-gram lookup may find fewer).
 - ``calibration`` / ``cost_calibration`` (goodput rows): the policy's acceptance and cost calibrations
-  at the end of the cell's median pass; ``check_suspended`` / ``check_rechecks`` /
-  ``check_plain_probes``: its realised-speedup check's decisions in the cell, every pass's (steps it
-  suspended, let through as rechecks, made plain probes; absent where the policy has no check).
+  at the end of the cell's median pass (``calibrations``: the acceptance factor per draft position);
+  ``check_suspended`` / ``check_rechecks`` / ``check_plain_probes``: its realised-speedup check's
+  decisions in the cell, every pass's (steps it suspended, let through as rechecks, made plain probes;
+  absent where the policy has no check).
 - ``oracle_k``, ``vs_oracle``: per drafter and concurrency, the **oracle** is the best static k in
   hindsight: the highest ``tokens_per_s`` among plain decoding (k = 0) and the drafter's static rows;
   ``vs_oracle`` = a row's ``tokens_per_s`` ÷ the oracle's (the oracle's own row: 1.0). The oracle knows
@@ -167,6 +168,9 @@ class DepthRecorder:
             value = getattr(self.policy, key, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[key] = float(value)
+        factors = getattr(self.policy, "calibrations", None)
+        if isinstance(factors, list) and factors:
+            out["calibrations"] = [float(f) for f in factors]
         now = _check_counters(self.policy)
         if now is not None:
             start = self._check_start or dict.fromkeys(now, 0)
@@ -420,6 +424,8 @@ def _log_cell(row: dict[str, Any]) -> None:
             row.get("calibration", float("nan")),
             row.get("cost_calibration", float("nan")),
         )
+        if "calibrations" in row:
+            logger.info("  calibration per position: %s", " ".join(f"{f:.2f}" for f in row["calibrations"]))
 
 
 def merge_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:

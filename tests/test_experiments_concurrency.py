@@ -202,6 +202,7 @@ def test_keep_policies_builds_one_policy_per_concurrency(
     assert all(r["greedy_equal"] is True for r in result["rows"])
     for r in rows:  # goodput's self-corrections in its rows; the static policy has none
         assert r["calibration"] > 0 and 0.25 <= r["cost_calibration"] <= 4
+        assert r["calibrations"] == [r["calibration"]] * 2  # one pooled factor, per position (k = 2)
         assert all(type(r[key]) is int and r[key] >= 0 for key in conc.CHECK_FIELDS)
     static_rows = [r for r in result["rows"] if r["system"] == "static"]
     assert static_rows and not any("check_suspended" in r or "calibration" in r for r in static_rows)
@@ -244,6 +245,8 @@ def test_depth_recorder_reports_the_cells_own_check_decisions():
     assert DepthRecorder(object(), 1).policy_fields() == {}
     Policy.speedup_check = None  # goodput with its check off: calibrations only
     assert set(DepthRecorder(Policy(), 1).policy_fields()) == {"calibration", "cost_calibration"}
+    Policy.calibrations = [0.9, 0.5]  # per draft position
+    assert DepthRecorder(Policy(), 1).policy_fields()["calibrations"] == [0.9, 0.5]
 
 
 def _row(drafter, system, label, c, tps, k=None):

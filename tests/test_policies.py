@@ -641,6 +641,42 @@ def test_goodput_calibration_stops_drafts_whose_estimates_run_high():
         build_policy("goodput", PolicyContext(4), {"calibrate": "yes"})
 
 
+def test_goodput_calibration_per_position_finds_the_depth_a_pooled_one_misses():
+    # The request's history says 90 % acceptance at every position; its granted drafts are accepted at
+    # position 1 and never further on. A quarter of a step per token: one draft pays (2 tokens for 1.25
+    # steps), deeper ones do not (2 tokens for 1.5 steps or more). One calibration for all positions mixes
+    # the first position's success with the others' failure and keeps drafting 3; one per position settles
+    # at 1, its deeper factors falling while the first stays near 1 (aged at every decision, the deeper
+    # ones recover now and then and a second draft is tried again).
+    costs = {
+        "step_s": [[n, 0.0075 + 0.0025 * n] for n in range(1, 9)],
+        "frozen": True,
+        "explore_every": 0,
+        "margin": 0.0,
+    }
+    answers, factors = {}, {}
+    for per_position in (True, False):
+        kwargs = {**costs, "calibration_per_position": per_position}
+        policy = build_policy("goodput", PolicyContext(4), kwargs)
+        stats = _stats([90, 81, 73, 66], [100, 100, 100, 100])
+        inputs = _inputs([stats])
+        answers[per_position] = []
+        for _ in range(40):
+            (depth,) = policy.decide(inputs)
+            answers[per_position].append(depth)
+            stats.num_drafts += depth > 0  # verified: the first draft accepted, the rest rejected
+            stats.num_draft_tokens += depth
+            stats.num_accepted_tokens += depth > 0
+        factors[per_position] = policy.calibrations
+    assert answers[False] == [4] * 11 + [3] * 29
+    assert answers[True][:16] == [4, 4, 3, 3] + [2] * 9 + [1] * 3
+    assert answers[True][16:].count(1) == 20 and set(answers[True][16:]) == {1, 2}
+    assert factors[False] == [pytest.approx(0.441, abs=1e-3)] * 4
+    assert factors[True][0] > 1 > 0.5 > factors[True][1] > factors[True][2] > factors[True][3]
+    with pytest.raises(ConfigError, match="calibration_per_position"):
+        build_policy("goodput", PolicyContext(4), {"calibration_per_position": 1})
+
+
 def _simulated_goodput(
     calibrate_costs: bool,
     acceptance: float,
