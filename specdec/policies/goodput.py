@@ -134,9 +134,12 @@ class GoodputPolicy(PolicyBase):
             settled decisions (see the module docstring).
         calibration_weight: pseudo-tokens (accepted = predicted) the ratio starts from (> 0).
         calibration_decay: weight kept by older settled decisions at each new one (0 < decay <= 1; 1:
-            every decision counts alike).
+            every decision counts alike); with ``calibration_per_position``, at each decision (step)
+            instead, whatever the number of requests it settles.
         calibration_per_position: one calibration per draft position instead of one for all, each
             shrunk towards the one before it, all aged at every decision (see the module docstring).
+            It changes the ageing too: at 16 requests all drafting, the pooled sums keep 0.99^16 = 0.85
+            a step, these 0.99, so they remember about 16 times as many grants.
         charge_catch_up: charge a request's drafting steps for the drafter's catch-up on its backlog
             (:meth:`charges`); False: drafting looks as cheap as it does once caught up.
         calibrate_costs: scale each candidate's seconds beyond the plain step's by the realised ÷
